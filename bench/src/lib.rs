@@ -1,0 +1,1 @@
+//! Benchmarks and the simulated production environment used to measure Hindsight.

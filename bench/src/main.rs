@@ -1,0 +1,2 @@
+//! `hindsight-bench`: benchmark drivers and the simulated production environment.
+fn main() {}
