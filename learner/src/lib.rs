@@ -1,1 +1,25 @@
 //! The model side: a Llama-family model with trainable LoRA in candle, tokenizer and chat templates, adapters in PEFT format.
+
+mod chat;
+mod config;
+mod error;
+mod generate;
+mod loader;
+mod lora;
+mod model;
+pub mod ops;
+mod tokenizer;
+
+pub use chat::ChatTemplate;
+pub use config::{Architecture, HfConfig, ModelConfig};
+pub use error::{LearnerError, Result};
+pub use generate::{generate, generate_greedy, sample_token, Sampling};
+pub use loader::{load_gguf, load_hf_dir, save_hf_weights, ModelBundle};
+pub use lora::{peft_key, Adapter, AdapterSelection, AdapterSet, LoraConfig, LoraInit, LoraTarget};
+pub use model::{argmax_rows, BatchLayout, KvCache, Model, PaddingSide};
+pub use tokenizer::{decode, encode, tokenizer_from_file, GgufTokenizerSpec};
+
+/// Re-exported so callers use the same candle and tokenizers versions.
+pub use candle_core;
+pub use candle_nn;
+pub use tokenizers;
