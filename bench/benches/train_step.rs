@@ -1,0 +1,152 @@
+//! LoRA training-step and generation throughput of the default model (SmolLM2-135M-Instruct).
+//!
+//! `cargo bench -p hindsight-bench --bench train_step` (run deploy/fetch-model.sh first).
+//! Training: LoRA r=16, alpha=32 on q,k,v,o,gate,up,down, frozen base in f32, AdamW, batch
+//! 4 x 256 tokens, fused cross-entropy; median of `HINDSIGHT_BENCH_STEPS` (default 3) steps after
+//! one warm-up. Generation: single stream, greedy, 128 new tokens after the chat prompt, KV cache.
+//! Writes `target/hindsight-bench/train_step_candle.json`, which
+//! bench/python/torch_train_step.py reads to print the candle/PyTorch ratio.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use hindsight_learner::candle_core::{DType, Device, Tensor, D};
+use hindsight_learner::candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use hindsight_learner::{
+    encode, generate, ops, Adapter, AdapterSelection, BatchLayout, LoraConfig, LoraInit,
+    ModelBundle, Sampling,
+};
+use rand::{Rng, SeedableRng};
+
+const BATCH: usize = 4;
+const SEQ: usize = 256;
+const NEW_TOKENS: usize = 128;
+
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let path = std::env::var_os("HINDSIGHT_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    anyhow::ensure!(
+        path.exists(),
+        "{} missing: run deploy/fetch-model.sh",
+        path.display()
+    );
+    let steps: usize = std::env::var("HINDSIGHT_BENCH_STEPS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    let dev = Device::Cpu;
+    let bundle = ModelBundle::load(&path, DType::F32, &dev).context("loading the model")?;
+    let model = &bundle.model;
+    let cfg = model.config().clone();
+    let lora = LoraConfig {
+        rank: 16,
+        alpha: 32.0,
+        ..LoraConfig::default()
+    };
+    let adapter = Adapter::new("bench", lora, &cfg, LoraInit::Peft, 0, &dev)?;
+    let mut opt = AdamW::new(
+        adapter.vars(),
+        ParamsAdamW {
+            lr: 1e-4,
+            ..Default::default()
+        },
+    )?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    let tokens: Vec<u32> = (0..BATCH * (SEQ + 1))
+        .map(|_| rng.random_range(0..cfg.vocab_size as u32))
+        .collect();
+    let all = Tensor::from_vec(tokens, (BATCH, SEQ + 1), &dev)?;
+    let input = all.narrow(1, 0, SEQ)?.contiguous()?;
+    let targets = all.narrow(1, 1, SEQ)?.flatten_all()?.contiguous()?;
+    let layout = BatchLayout::dense(BATCH, SEQ, 0);
+    let sel = AdapterSelection::All(&adapter);
+
+    let mut step = || -> Result<f32> {
+        let h = model.hidden(&input, &layout, None, &sel, true)?;
+        let h = h.reshape((BATCH * SEQ, h.dim(D::Minus1)?))?;
+        let loss = ops::cross_entropy_with_head(&h, model.lm_head(), &targets)?.mean_all()?;
+        opt.backward_step(&loss)?;
+        Ok(loss.to_scalar::<f32>()?)
+    };
+    let t0 = Instant::now();
+    let first_loss = step()?;
+    println!(
+        "warm-up step {:.3} s (loss {first_loss:.3})",
+        t0.elapsed().as_secs_f64()
+    );
+    let mut times = Vec::new();
+    for _ in 0..steps {
+        let t0 = Instant::now();
+        step()?;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    let train_s = median(times.clone());
+    let train_tps = (BATCH * SEQ) as f64 / train_s;
+    println!(
+        "candle LoRA train step (SmolLM2-135M, r=16 all projections, {BATCH}x{SEQ} tokens): \
+         {train_s:.3} s median of {steps} ({train_tps:.0} tokens/s), steps {times:.3?}"
+    );
+
+    let template = bundle
+        .chat_template
+        .as_ref()
+        .context("model has no chat template")?;
+    let prompt = template.render(
+        &serde_json::json!([{"role": "user", "content": "Write a long story about a brave knight."}]),
+        None,
+        true,
+    )?;
+    let ids = encode(&bundle.tokenizer, &prompt)?;
+    let t0 = Instant::now();
+    // No stop tokens: always exactly NEW_TOKENS.
+    let out = generate(
+        model,
+        &ids,
+        NEW_TOKENS,
+        &[],
+        &AdapterSelection::None,
+        &Sampling::greedy(),
+    )?;
+    let gen_s = t0.elapsed().as_secs_f64();
+    let gen_tps = out.len() as f64 / gen_s;
+    println!(
+        "candle generation (single stream, greedy, prompt {} tokens, {} new): {gen_s:.2} s ({gen_tps:.1} tokens/s)",
+        ids.len(),
+        out.len()
+    );
+    let t0 = Instant::now();
+    let out = generate(model, &ids, NEW_TOKENS, &[], &sel, &Sampling::greedy())?;
+    let gen_lora_s = t0.elapsed().as_secs_f64();
+    println!(
+        "candle generation with an unmerged r=16 adapter: {:.1} tokens/s",
+        out.len() as f64 / gen_lora_s
+    );
+
+    let out_dir = workspace().join("target/hindsight-bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let json = serde_json::json!({
+        "train_step_s": train_s,
+        "train_tokens_per_s": train_tps,
+        "train_steps_s": times,
+        "generation_tokens_per_s": gen_tps,
+        "generation_lora_tokens_per_s": out.len() as f64 / gen_lora_s,
+        "batch": BATCH, "seq": SEQ, "rank": 16,
+    });
+    std::fs::write(out_dir.join("train_step_candle.json"), json.to_string())?;
+    println!(
+        "wrote {}; now run python3 bench/python/torch_train_step.py for the ratio",
+        out_dir.join("train_step_candle.json").display()
+    );
+    Ok(())
+}
