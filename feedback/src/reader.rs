@@ -1,0 +1,146 @@
+//! Consumer-group reader over Hindsight topics: returns records with their offsets and commits
+//! positions only when the caller says the records are processed.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+use serde::de::DeserializeOwned;
+use uuid::Uuid;
+
+use crate::log::{LogError, ValidatedLogConfig, ID_HEADER};
+use crate::records::Topic;
+
+/// One record read from Kafka.
+#[derive(Debug, Clone)]
+pub struct RawRecord {
+    /// Topic name.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// Offset within the partition.
+    pub offset: i64,
+    /// Message key as text (lossy UTF-8).
+    pub key: Option<String>,
+    /// The `hindsight-id` header, when present and valid.
+    pub id: Option<Uuid>,
+    /// Message payload.
+    pub payload: Bytes,
+    /// Broker/producer timestamp in ms.
+    pub timestamp_ms: Option<i64>,
+}
+
+impl RawRecord {
+    /// Deserializes the JSON payload.
+    pub fn decode<T: DeserializeOwned>(&self) -> Result<T, LogError> {
+        serde_json::from_slice(&self.payload).map_err(|e| LogError::Decode {
+            topic: self.topic.clone(),
+            partition: self.partition,
+            offset: self.offset,
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// A consumer-group reader. Offsets are committed only through [`TopicReader::commit`] /
+/// [`TopicReader::commit_offsets`] (auto-commit is off), so a crash re-reads unprocessed records.
+pub struct TopicReader {
+    consumer: StreamConsumer,
+}
+
+impl std::fmt::Debug for TopicReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TopicReader").finish_non_exhaustive()
+    }
+}
+
+/// Next positions to commit, per (topic, partition).
+pub type Positions = BTreeMap<(String, i32), i64>;
+
+impl TopicReader {
+    /// Joins consumer group `group_id` on the given Hindsight topics, reading from the earliest
+    /// uncommitted offset.
+    pub fn new(
+        cfg: &ValidatedLogConfig,
+        group_id: &str,
+        topics: &[Topic],
+    ) -> Result<TopicReader, LogError> {
+        let names: Vec<String> = topics
+            .iter()
+            .map(|t| cfg.topics().get(*t).to_string())
+            .collect();
+        Self::with_client(cfg.client_config(), group_id, &names)
+    }
+
+    /// Like [`TopicReader::new`] with an explicit client config and topic names.
+    pub fn with_client(
+        mut client: ClientConfig,
+        group_id: &str,
+        topics: &[String],
+    ) -> Result<TopicReader, LogError> {
+        client
+            .set("group.id", group_id)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set("session.timeout.ms", "10000")
+            .set("enable.partition.eof", "false");
+        let consumer: StreamConsumer = client.create()?;
+        let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&refs)?;
+        Ok(TopicReader { consumer })
+    }
+
+    /// Waits for the next record.
+    pub async fn recv(&self) -> Result<RawRecord, LogError> {
+        let msg = self.consumer.recv().await?;
+        let id = msg.headers().and_then(|h| {
+            h.iter()
+                .find(|hd| hd.key == ID_HEADER)
+                .and_then(|hd| hd.value)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .and_then(|s| Uuid::parse_str(s).ok())
+        });
+        Ok(RawRecord {
+            topic: msg.topic().to_string(),
+            partition: msg.partition(),
+            offset: msg.offset(),
+            key: msg.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            id,
+            payload: Bytes::copy_from_slice(msg.payload().unwrap_or_default()),
+            timestamp_ms: msg.timestamp().to_millis(),
+        })
+    }
+
+    /// Waits up to `timeout` for the next record.
+    pub async fn recv_timeout(&self, timeout: Duration) -> Result<Option<RawRecord>, LogError> {
+        match tokio::time::timeout(timeout, self.recv()).await {
+            Ok(r) => r.map(Some),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// Commits the position after `rec` (synchronously).
+    pub fn commit(&self, rec: &RawRecord) -> Result<(), LogError> {
+        let mut p = Positions::new();
+        p.insert((rec.topic.clone(), rec.partition), rec.offset + 1);
+        self.commit_offsets(&p)
+    }
+
+    /// Commits next positions (offset of the next record to read) synchronously.
+    pub fn commit_offsets(&self, positions: &Positions) -> Result<(), LogError> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let mut tpl = TopicPartitionList::new();
+        for ((topic, partition), offset) in positions {
+            tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
+        }
+        self.consumer.commit(&tpl, CommitMode::Sync)?;
+        Ok(())
+    }
+}
