@@ -183,7 +183,7 @@ impl Model {
                 .ok_or_else(|| LearnerError::InvalidModel(format!("missing tensor {name}")))?;
             Ok(t.to_device(device)?.to_dtype(dtype)?)
         };
-        let expect = |t: &Tensor, shape: &[usize], name: &str| -> Result<()> {
+        let check_shape = |t: &Tensor, shape: &[usize], name: &str| -> Result<()> {
             if t.dims() != shape {
                 return Err(LearnerError::InvalidModel(format!(
                     "{name} has shape {:?}, expected {shape:?}",
@@ -194,7 +194,7 @@ impl Model {
         };
         let (h, hd) = (cfg.hidden_size, cfg.head_dim);
         let embed = get("model.embed_tokens.weight")?;
-        expect(&embed, &[cfg.vocab_size, h], "model.embed_tokens.weight")?;
+        check_shape(&embed, &[cfg.vocab_size, h], "model.embed_tokens.weight")?;
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {
             let mut proj = Vec::with_capacity(7);
@@ -202,7 +202,7 @@ impl Model {
                 let name = hf_proj_name(i, t);
                 let w = get(&format!("{name}.weight"))?;
                 let (out, inp) = t.shape(&cfg);
-                expect(&w, &[out, inp], &name)?;
+                check_shape(&w, &[out, inp], &name)?;
                 let has_bias = match t {
                     LoraTarget::Q | LoraTarget::K | LoraTarget::V => cfg.qkv_bias,
                     LoraTarget::O => cfg.o_bias,
@@ -234,7 +234,7 @@ impl Model {
                 None => embed.clone(),
             }
         };
-        expect(&lm_head, &[cfg.vocab_size, h], "lm_head.weight")?;
+        check_shape(&lm_head, &[cfg.vocab_size, h], "lm_head.weight")?;
         let (cos, sin) = rope_tables(&cfg, hd, dtype, device)?;
         Ok(Self {
             cfg,
