@@ -1,1 +1,3 @@
 //! Benchmarks and the simulated production environment used to measure Hindsight.
+
+pub mod env;

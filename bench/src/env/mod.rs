@@ -1,0 +1,36 @@
+//! The simulated production environment: customer-support tickets resolved into a JSON
+//! decision under hidden business rules, read-only tools with injected failures, a simulated
+//! user who sends feedback through Hindsight's webhook, and the baselines that check the
+//! self-distillation premise.
+
+mod baselines;
+mod error;
+mod evalset;
+mod prompt;
+mod rng;
+mod run;
+mod sop;
+mod tools;
+mod user;
+mod webhook;
+mod wording;
+mod world;
+
+pub use baselines::{
+    feedback_for, hindsight_items, render_table, run_baselines, BaselineConfig, BaselineReport,
+    BaselineRow, CONFIRMATION,
+};
+pub use error::EnvError;
+pub use evalset::{eval_item, eval_items, rules_of};
+pub use prompt::{
+    messages, response_format, system_prompt, tools, user_message, PromptOptions, Variant,
+};
+pub use rng::Rng;
+pub use run::{run_env, EnvRunConfig, EnvRunSummary, EpisodeOutcome, FeedbackConfig};
+pub use sop::{
+    resolve, rules_text, Decision, Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES,
+};
+pub use tools::{lookup, ToolBox};
+pub use user::{critique, react, rule_phrase, Reaction, UserConfig};
+pub use webhook::{feedback_events, sign, FeedbackSender, Target, BATCH_PATH};
+pub use world::{Customer, IssueKind, Order, Split, Ticket, Tier, World};
