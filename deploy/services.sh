@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Installs (if missing) and runs the local services Hindsight needs, on loopback only:
+#   - a Kafka-protocol broker: tansu 0.6.0 (from crates.io), storage in SQLite so it survives restarts
+#   - Redis: Debian's redis-server
+#
+# Usage: deploy/services.sh up|down|status|install|kafka-stop|kafka-start
+#
+# Idempotent: `up` twice leaves one broker and one Redis running. It refuses to start a service
+# on a port that something else already holds (a stale broker once silently served a test run).
+# Production points Hindsight at its own Kafka and Redis; nothing here is assumed elsewhere.
+#
+# Environment:
+#   HINDSIGHT_HOME   where binaries and state live (default /opt/hindsight)
+#   KAFKA_PORT       broker port (default 9092)     REDIS_PORT   Redis port (default 6379)
+set -euo pipefail
+
+HINDSIGHT_HOME=${HINDSIGHT_HOME:-/opt/hindsight}
+KAFKA_PORT=${KAFKA_PORT:-9092}
+REDIS_PORT=${REDIS_PORT:-6379}
+TANSU_VERSION=0.6.0
+TANSU_ROOT="$HINDSIGHT_HOME/tansu-$TANSU_VERSION"
+TANSU_BIN="$TANSU_ROOT/bin/tansu"
+STATE="$HINDSIGHT_HOME/state"
+KAFKA_DIR="$STATE/kafka"
+REDIS_DIR="$STATE/redis"
+
+say() { printf '[services] %s\n' "$*"; }
+die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
+
+# pid of the process listening on 127.0.0.1:$1 (empty if none)
+listener_pid() {
+  ss -Hltnp "sport = :$1" 2>/dev/null | sed -n 's/.*pid=\([0-9]*\).*/\1/p' | head -n1
+}
+port_busy() { [ -n "$(ss -Hltn "sport = :$1" 2>/dev/null)" ]; }
+pid_alive() { [ -n "${1:-}" ] && kill -0 "$1" 2>/dev/null; }
+pidfile_pid() { [ -f "$1" ] && cat "$1" || true; }
+
+install_redis() {
+  if command -v redis-server >/dev/null 2>&1; then
+    say "redis-server present: $(redis-server --version | cut -d' ' -f3)"
+    return
+  fi
+  say "installing redis-server from Debian's packages"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq redis-server >/dev/null 2>&1 || {
+    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+  }
+  # The package may start its own instance on 6379; we run ours with our own config.
+  if command -v systemctl >/dev/null 2>&1; then systemctl stop redis-server 2>/dev/null || true; fi
+  pkill -f '^/usr/bin/redis-server 127.0.0.1:6379' 2>/dev/null || true
+}
+
+install_tansu() {
+  if [ -x "$TANSU_BIN" ]; then
+    say "tansu $TANSU_VERSION present at $TANSU_BIN"
+    return
+  fi
+  command -v cargo >/dev/null 2>&1 || die "cargo is needed to install tansu"
+  say "installing tansu $TANSU_VERSION from crates.io into $TANSU_ROOT (8-9 minutes on 2 cores, once)"
+  mkdir -p "$TANSU_ROOT"
+  cargo install tansu --version "$TANSU_VERSION" --locked --no-default-features \
+    --features dynostore,libsql --root "$TANSU_ROOT" --quiet
+  [ -x "$TANSU_BIN" ] || die "tansu install finished but $TANSU_BIN is missing"
+}
+
+kafka_answers() {
+  timeout 10 "$TANSU_BIN" topic list --broker "tcp://127.0.0.1:$KAFKA_PORT" >/dev/null 2>&1
+}
+
+redis_answers() {
+  [ "$(timeout 5 redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null)" = "PONG" ]
+}
+
+wait_for() { # name check-fn seconds
+  local name=$1 check=$2 secs=$3 i
+  for ((i = 0; i < secs * 5; i++)); do
+    if $check; then say "$name answers"; return 0; fi
+    sleep 0.2
+  done
+  return 1
+}
+
+start_kafka() {
+  mkdir -p "$KAFKA_DIR"
+  local pid; pid=$(pidfile_pid "$KAFKA_DIR/tansu.pid")
+  if pid_alive "$pid" && [ "$(listener_pid "$KAFKA_PORT")" = "$pid" ]; then
+    say "broker already running (pid $pid, 127.0.0.1:$KAFKA_PORT)"
+    return
+  fi
+  if port_busy "$KAFKA_PORT"; then
+    die "port $KAFKA_PORT is held by another process (pid $(listener_pid "$KAFKA_PORT")); refusing to start a broker there. Stop it or set KAFKA_PORT."
+  fi
+  say "starting tansu broker on 127.0.0.1:$KAFKA_PORT (storage sqlite://$KAFKA_DIR/tansu.db)"
+  (
+    cd "$KAFKA_DIR"
+    RUST_LOG=${TANSU_LOG:-warn} nohup "$TANSU_BIN" broker \
+      --listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
+      --advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
+      --storage-engine "sqlite://tansu.db" \
+      >>"$KAFKA_DIR/tansu.log" 2>&1 &
+    echo $! >"$KAFKA_DIR/tansu.pid"
+  )
+  wait_for "broker" kafka_answers 60 || {
+    tail -n 20 "$KAFKA_DIR/tansu.log" >&2 || true
+    die "broker did not answer within 60 s (log: $KAFKA_DIR/tansu.log)"
+  }
+}
+
+stop_kafka() {
+  local pid; pid=$(pidfile_pid "$KAFKA_DIR/tansu.pid")
+  if pid_alive "$pid"; then
+    say "stopping broker (pid $pid)"
+    kill "$pid"
+    for _ in $(seq 50); do pid_alive "$pid" || break; sleep 0.1; done
+    pid_alive "$pid" && kill -9 "$pid" 2>/dev/null || true
+  else
+    say "broker not running"
+  fi
+  rm -f "$KAFKA_DIR/tansu.pid"
+}
+
+start_redis() {
+  mkdir -p "$REDIS_DIR"
+  local pid; pid=$(pidfile_pid "$REDIS_DIR/redis.pid")
+  if pid_alive "$pid" && [ "$(listener_pid "$REDIS_PORT")" = "$pid" ]; then
+    say "redis already running (pid $pid, 127.0.0.1:$REDIS_PORT)"
+    return
+  fi
+  if port_busy "$REDIS_PORT"; then
+    die "port $REDIS_PORT is held by another process (pid $(listener_pid "$REDIS_PORT")); refusing to start Redis there. Stop it or set REDIS_PORT."
+  fi
+  say "starting redis on 127.0.0.1:$REDIS_PORT (data in $REDIS_DIR)"
+  redis-server --bind 127.0.0.1 --port "$REDIS_PORT" --dir "$REDIS_DIR" \
+    --daemonize yes --pidfile "$REDIS_DIR/redis.pid" --logfile "$REDIS_DIR/redis.log" \
+    --appendonly yes --save "" >/dev/null
+  wait_for "redis" redis_answers 30 || die "redis did not answer within 30 s (log: $REDIS_DIR/redis.log)"
+}
+
+stop_redis() {
+  local pid; pid=$(pidfile_pid "$REDIS_DIR/redis.pid")
+  if pid_alive "$pid"; then
+    say "stopping redis (pid $pid)"
+    kill "$pid"
+    for _ in $(seq 50); do pid_alive "$pid" || break; sleep 0.1; done
+  else
+    say "redis not running"
+  fi
+  rm -f "$REDIS_DIR/redis.pid"
+}
+
+status() {
+  local rc=0
+  if kafka_answers 2>/dev/null; then say "broker: up on 127.0.0.1:$KAFKA_PORT (pid $(listener_pid "$KAFKA_PORT"))"; else say "broker: down"; rc=1; fi
+  if redis_answers; then say "redis:  up on 127.0.0.1:$REDIS_PORT (pid $(listener_pid "$REDIS_PORT"))"; else say "redis:  down"; rc=1; fi
+  return $rc
+}
+
+case "${1:-}" in
+  install) install_redis; install_tansu ;;
+  up) install_redis; install_tansu; start_redis; start_kafka; say "KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT REDIS_URL=redis://127.0.0.1:$REDIS_PORT/" ;;
+  down) stop_kafka; stop_redis ;;
+  status) status ;;
+  kafka-stop) stop_kafka ;;
+  kafka-start) start_kafka ;;
+  *) echo "usage: $0 up|down|status|install|kafka-stop|kafka-start" >&2; exit 2 ;;
+esac

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The test command (README's second command, and what CI runs): starts the local services,
+# fetches the default model, installs the Python test clients, then runs every suite of the
+# workspace in one cargo invocation against the real broker and Redis.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+"$ROOT/deploy/services.sh" up
+"$ROOT/deploy/fetch-model.sh"
+echo "[test] installing Python test clients (deploy/requirements-test.txt)"
+python3 -m pip install --quiet --disable-pip-version-check -r deploy/requirements-test.txt
+
+export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
+export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/}"
+export RUST_BACKTRACE=1
+# Kafka-backed tests use unique topics and consumer groups, so the two test threads of a
+# binary never see each other's data; binaries run one after another (the outage test stops
+# the broker and must be alone).
+cargo test --workspace --no-fail-fast "$@"

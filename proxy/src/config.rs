@@ -1,0 +1,373 @@
+//! Proxy configuration: a TOML file plus `HINDSIGHT_<SECTION>__<KEY>` environment overrides,
+//! read into raw serde structs (unknown keys refused) and validated once into [`ProxyConfig`].
+//! Every error names the key it is about.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::error::ConfigError;
+
+/// The whole file `hindsight proxy --config FILE` reads.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// The data plane: listeners, upstream, capture.
+    #[serde(default)]
+    pub proxy: RawProxySection,
+    /// The interaction log: Kafka brokers, topics and the disk spill.
+    #[serde(default)]
+    pub log: hindsight_feedback::LogConfig,
+}
+
+/// `[proxy]` as written in the file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawProxySection {
+    /// Address the data port listens on (clients send their OpenAI calls here).
+    #[serde(default = "default_listen_addr")]
+    pub listen_addr: String,
+    /// Address of the admin listener: `/metrics`, `/healthz`, `/readyz`.
+    #[serde(default = "default_admin_addr")]
+    pub admin_addr: String,
+    /// Base URL of the OpenAI-compatible upstream, e.g. `http://127.0.0.1:8000`. Request paths
+    /// are appended unchanged.
+    #[serde(default = "default_upstream_url")]
+    pub upstream_url: String,
+    /// Route name recorded with every interaction (one proxy fronts one route).
+    #[serde(default = "default_route")]
+    pub route: String,
+    /// TCP connect timeout to the upstream; past it the client gets a 502.
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Time allowed for the upstream's response headers; past it the client gets a 504.
+    /// Streams may then last as long as the upstream keeps sending.
+    #[serde(default = "default_upstream_timeout_ms")]
+    pub upstream_timeout_ms: u64,
+    /// Largest request body accepted on a captured path (bigger ones get 413 naming this key).
+    #[serde(default = "default_max_request_body_bytes")]
+    pub max_request_body_bytes: usize,
+    /// Largest response body kept for the record; the client always gets the whole response,
+    /// the record is marked truncated beyond this.
+    #[serde(default = "default_max_capture_response_bytes")]
+    pub max_capture_response_bytes: usize,
+    /// Paths whose POST calls are captured into `hindsight.interactions`.
+    #[serde(default = "default_capture_paths")]
+    pub capture_paths: Vec<String>,
+    /// How long graceful shutdown waits for in-flight requests before closing them.
+    #[serde(default = "default_shutdown_grace_ms")]
+    pub shutdown_grace_ms: u64,
+    /// Capacity of the queue between request handling and the record encoder.
+    #[serde(default = "default_capture_queue_capacity")]
+    pub capture_queue_capacity: usize,
+}
+
+fn default_listen_addr() -> String {
+    "127.0.0.1:8080".into()
+}
+fn default_admin_addr() -> String {
+    "127.0.0.1:9464".into()
+}
+fn default_upstream_url() -> String {
+    "http://127.0.0.1:8000".into()
+}
+fn default_route() -> String {
+    "default".into()
+}
+fn default_connect_timeout_ms() -> u64 {
+    2_000
+}
+fn default_upstream_timeout_ms() -> u64 {
+    300_000
+}
+fn default_max_request_body_bytes() -> usize {
+    32 * 1024 * 1024
+}
+fn default_max_capture_response_bytes() -> usize {
+    16 * 1024 * 1024
+}
+fn default_capture_paths() -> Vec<String> {
+    vec!["/v1/chat/completions".into(), "/v1/completions".into()]
+}
+fn default_shutdown_grace_ms() -> u64 {
+    10_000
+}
+fn default_capture_queue_capacity() -> usize {
+    16_384
+}
+
+impl Default for RawProxySection {
+    fn default() -> Self {
+        Self {
+            listen_addr: default_listen_addr(),
+            admin_addr: default_admin_addr(),
+            upstream_url: default_upstream_url(),
+            route: default_route(),
+            connect_timeout_ms: default_connect_timeout_ms(),
+            upstream_timeout_ms: default_upstream_timeout_ms(),
+            max_request_body_bytes: default_max_request_body_bytes(),
+            max_capture_response_bytes: default_max_capture_response_bytes(),
+            capture_paths: default_capture_paths(),
+            shutdown_grace_ms: default_shutdown_grace_ms(),
+            capture_queue_capacity: default_capture_queue_capacity(),
+        }
+    }
+}
+
+/// The validated proxy section.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub listen_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    /// Scheme + authority + optional base path, without a trailing slash.
+    pub upstream: Upstream,
+    pub route: String,
+    pub connect_timeout: Duration,
+    pub upstream_timeout: Duration,
+    pub max_request_body_bytes: usize,
+    pub max_capture_response_bytes: usize,
+    pub capture_paths: Vec<String>,
+    pub shutdown_grace: Duration,
+    pub capture_queue_capacity: usize,
+}
+
+/// Where requests go.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+    /// Prefix prepended to every forwarded path ("" for none).
+    pub base_path: String,
+}
+
+/// Everything `hindsight proxy` needs, validated.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub proxy: ProxyConfig,
+    pub log: hindsight_feedback::ValidatedLogConfig,
+}
+
+impl RawConfig {
+    /// Reads a TOML file (or the defaults when `path` is `None`) and applies environment
+    /// overrides from `env` (`HINDSIGHT_PROXY__UPSTREAM_URL=...` sets `proxy.upstream_url`).
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let mut table: toml::Table = match path {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                    path: p.display().to_string(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|e| ConfigError::Parse {
+                    path: p.display().to_string(),
+                    message: e.to_string(),
+                })?
+            }
+            None => toml::Table::new(),
+        };
+        apply_env_overrides(&mut table, env)?;
+        let de = toml::Value::Table(table);
+        serde_path_to_error::deserialize(de).map_err(|e| ConfigError::Invalid {
+            key: e.path().to_string(),
+            reason: e.inner().to_string(),
+        })
+    }
+
+    /// Validates into the typed config.
+    pub fn validate(self) -> Result<Config, ConfigError> {
+        let p = self.proxy;
+        let addr = |key: &'static str, v: &str| {
+            v.parse::<SocketAddr>().map_err(|e| ConfigError::Invalid {
+                key: key.into(),
+                reason: format!("`{v}` is not an IP:port address ({e})"),
+            })
+        };
+        let positive = |key: &'static str, v: u64| {
+            if v == 0 {
+                Err(ConfigError::Invalid {
+                    key: key.into(),
+                    reason: "must be greater than 0".into(),
+                })
+            } else {
+                Ok(Duration::from_millis(v))
+            }
+        };
+        if p.route.is_empty() {
+            return Err(ConfigError::Invalid {
+                key: "proxy.route".into(),
+                reason: "must not be empty".into(),
+            });
+        }
+        for (i, path) in p.capture_paths.iter().enumerate() {
+            if !path.starts_with('/') {
+                return Err(ConfigError::Invalid {
+                    key: format!("proxy.capture_paths[{i}]"),
+                    reason: format!("`{path}` must start with `/`"),
+                });
+            }
+        }
+        if p.capture_queue_capacity == 0 {
+            return Err(ConfigError::Invalid {
+                key: "proxy.capture_queue_capacity".into(),
+                reason: "must be greater than 0".into(),
+            });
+        }
+        let proxy = ProxyConfig {
+            listen_addr: addr("proxy.listen_addr", &p.listen_addr)?,
+            admin_addr: addr("proxy.admin_addr", &p.admin_addr)?,
+            upstream: parse_upstream(&p.upstream_url)?,
+            route: p.route,
+            connect_timeout: positive("proxy.connect_timeout_ms", p.connect_timeout_ms)?,
+            upstream_timeout: positive("proxy.upstream_timeout_ms", p.upstream_timeout_ms)?,
+            max_request_body_bytes: p.max_request_body_bytes,
+            max_capture_response_bytes: p.max_capture_response_bytes,
+            capture_paths: p.capture_paths,
+            shutdown_grace: Duration::from_millis(p.shutdown_grace_ms),
+            capture_queue_capacity: p.capture_queue_capacity,
+        };
+        let log = self.log.validate().map_err(|e| match e {
+            hindsight_feedback::LogError::Config { key, reason } => ConfigError::Invalid {
+                key: format!("log.{key}"),
+                reason,
+            },
+            other => ConfigError::Invalid {
+                key: "log".into(),
+                reason: other.to_string(),
+            },
+        })?;
+        Ok(Config { proxy, log })
+    }
+}
+
+fn parse_upstream(url: &str) -> Result<Upstream, ConfigError> {
+    let bad = |reason: String| ConfigError::Invalid {
+        key: "proxy.upstream_url".into(),
+        reason,
+    };
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| bad(format!("`{url}` is not a URL ({e})")))?;
+    let scheme = uri
+        .scheme()
+        .cloned()
+        .ok_or_else(|| bad(format!("`{url}` has no scheme (http:// or https://)")))?;
+    if scheme != http::uri::Scheme::HTTP {
+        return Err(bad(format!(
+            "scheme `{scheme}` is not supported; use http:// (terminate TLS in front of the upstream)"
+        )));
+    }
+    let authority = uri
+        .authority()
+        .cloned()
+        .ok_or_else(|| bad(format!("`{url}` has no host")))?;
+    if uri.query().is_some() {
+        return Err(bad("must not contain a query string".into()));
+    }
+    let base_path = uri.path().trim_end_matches('/').to_string();
+    Ok(Upstream {
+        scheme,
+        authority,
+        base_path,
+    })
+}
+
+/// `HINDSIGHT_PROXY__UPSTREAM_URL=http://x` → `proxy.upstream_url = "http://x"`. Values are read
+/// as TOML when they parse (`5000`, `true`, `["a","b"]`), as strings otherwise.
+fn apply_env_overrides(
+    table: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<(), ConfigError> {
+    for (name, raw) in env {
+        let Some(rest) = name.strip_prefix("HINDSIGHT_") else {
+            continue;
+        };
+        let Some((section, key)) = rest.split_once("__") else {
+            continue;
+        };
+        let section = section.to_ascii_lowercase();
+        let key = key.to_ascii_lowercase();
+        let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(raw.clone()));
+        let entry = table
+            .entry(section.clone())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        match entry {
+            toml::Value::Table(t) => {
+                t.insert(key, value);
+            }
+            _ => {
+                return Err(ConfigError::Invalid {
+                    reason: format!(
+                        "`{name}` overrides a key inside `{section}`, which is not a table"
+                    ),
+                    key: section,
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(toml_text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, toml_text).unwrap();
+        let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
+        RawConfig::load(Some(&path), env)?.validate()
+    }
+
+    #[test]
+    fn defaults_validate() {
+        let c = load("", &[]).unwrap();
+        assert_eq!(c.proxy.listen_addr.port(), 8080);
+        assert_eq!(c.proxy.upstream.authority.as_str(), "127.0.0.1:8000");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = load("[proxy]\nupstream_ur = \"http://x\"\n", &[]).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("upstream_ur"), "{msg}");
+    }
+
+    #[test]
+    fn bad_value_is_named() {
+        let err = load("[proxy]\nlisten_addr = \"nope\"\n", &[]).unwrap_err();
+        assert!(err.to_string().contains("proxy.listen_addr"), "{err}");
+        let err = load("[proxy]\nconnect_timeout_ms = \"soon\"\n", &[]).unwrap_err();
+        assert!(
+            err.to_string().contains("proxy.connect_timeout_ms"),
+            "{err}"
+        );
+        let err = load("[proxy]\nupstream_url = \"ftp://x\"\n", &[]).unwrap_err();
+        assert!(err.to_string().contains("proxy.upstream_url"), "{err}");
+    }
+
+    #[test]
+    fn env_overrides_file_and_is_typed() {
+        let c = load(
+            "[proxy]\nupstream_url = \"http://127.0.0.1:1\"\n",
+            &[
+                ("HINDSIGHT_PROXY__UPSTREAM_URL", "http://127.0.0.1:9/base/"),
+                ("HINDSIGHT_PROXY__CONNECT_TIMEOUT_MS", "77"),
+                ("UNRELATED", "x"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.proxy.upstream.authority.as_str(), "127.0.0.1:9");
+        assert_eq!(c.proxy.upstream.base_path, "/base");
+        assert_eq!(c.proxy.connect_timeout, Duration::from_millis(77));
+        let err = load("", &[("HINDSIGHT_PROXY__NOPE", "1")]).unwrap_err();
+        assert!(err.to_string().contains("nope"), "{err}");
+    }
+}

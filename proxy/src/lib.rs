@@ -1,0 +1,20 @@
+//! The data plane: a transparent reverse proxy in front of an OpenAI-compatible endpoint that
+//! captures chat/completion calls (streams reassembled) into the Kafka interaction log without
+//! ever making user traffic wait on it.
+
+mod capture;
+mod cli;
+mod config;
+mod error;
+mod forward;
+mod headers;
+mod server;
+mod telemetry;
+
+pub use capture::sse::{SseParser, StreamKind, StreamReassembler};
+pub use capture::{EpisodePerCall, EpisodeResolver};
+pub use cli::ProxyArgs;
+pub use config::{Config, ProxyConfig, RawConfig, RawProxySection};
+pub use error::{ConfigError, ProxyError};
+pub use server::{run, Extensions, ShutdownReport};
+pub use telemetry::prometheus;

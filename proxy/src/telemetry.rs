@@ -1,0 +1,176 @@
+//! Request telemetry (a tower layer: span, counters, latency and the proxy's own overhead)
+//! and the admin listener (`/metrics`, `/healthz`, `/readyz`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use axum::{extract::State, http::StatusCode, routing::get, Router};
+use http::{Request, Response};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tracing::Instrument;
+
+use crate::error::{ProxyBody, ProxyError};
+use crate::forward::UpstreamLatency;
+
+static PROMETHEUS: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// Installs the process-wide Prometheus recorder once and returns its handle (`None` when
+/// another recorder was installed first, e.g. by an embedding application).
+pub fn prometheus() -> Option<PrometheusHandle> {
+    PROMETHEUS
+        .get_or_init(|| {
+            let buckets = [
+                0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0, 10.0, 30.0,
+            ];
+            PrometheusBuilder::new()
+                .set_buckets(&buckets)
+                .ok()?
+                .install_recorder()
+                .ok()
+        })
+        .clone()
+}
+
+/// Layer recording one span and the request metrics per call.
+#[derive(Clone)]
+pub struct TelemetryLayer {
+    route: Arc<str>,
+}
+
+impl TelemetryLayer {
+    pub fn new(route: &str) -> Self {
+        Self {
+            route: Arc::from(route),
+        }
+    }
+}
+
+impl<S> tower::Layer<S> for TelemetryLayer {
+    type Service = Telemetry<S>;
+    fn layer(&self, inner: S) -> Telemetry<S> {
+        Telemetry {
+            inner,
+            route: self.route.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct Telemetry<S> {
+    inner: S,
+    route: Arc<str>,
+}
+
+fn status_class(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+impl<S, B> tower::Service<Request<B>> for Telemetry<S>
+where
+    S: tower::Service<Request<B>, Response = Response<ProxyBody>, Error = ProxyError>,
+    S::Future: Send + 'static,
+{
+    type Response = Response<ProxyBody>;
+    type Error = ProxyError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, ProxyError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ProxyError>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let started = Instant::now();
+        let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path());
+        let fut = self.inner.call(req);
+        let route = self.route.clone();
+        Box::pin(
+            async move {
+                let result = fut.await;
+                let elapsed = started.elapsed();
+                let status = match &result {
+                    Ok(r) => r.status().as_u16(),
+                    Err(e) => e.status().as_u16(),
+                };
+                let labels = [
+                    ("route", route.to_string()),
+                    ("status_class", status_class(status).to_string()),
+                ];
+                metrics::counter!("hindsight_proxy_requests_total", &labels).increment(1);
+                metrics::histogram!("hindsight_proxy_response_headers_seconds", &labels)
+                    .record(elapsed.as_secs_f64());
+                if let Ok(resp) = &result {
+                    if let Some(UpstreamLatency(up)) = resp.extensions().get::<UpstreamLatency>() {
+                        let overhead = elapsed.saturating_sub(*up);
+                        metrics::histogram!("hindsight_proxy_overhead_seconds", "route" => route.to_string())
+                            .record(overhead.as_secs_f64());
+                    }
+                }
+                tracing::debug!(status, elapsed_ms = elapsed.as_secs_f64() * 1e3, "Request answered.");
+                result
+            }
+            .instrument(span),
+        )
+    }
+}
+
+/// Readiness flips to false when shutdown starts so load balancers stop sending traffic.
+#[derive(Clone, Default)]
+pub struct Readiness(Arc<AtomicBool>);
+
+impl Readiness {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::Release);
+    }
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+#[derive(Clone)]
+struct AdminState {
+    prometheus: Option<PrometheusHandle>,
+    ready: Readiness,
+}
+
+/// The admin router. The log's own gauges and counters (`hindsight_log_*`: queue depth,
+/// spill bytes, spilled/replayed/delivered/dropped records) are exported alongside the proxy's.
+pub fn admin_router(ready: Readiness) -> Router {
+    let state = AdminState {
+        prometheus: prometheus(),
+        ready,
+    };
+    Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(state)
+}
+
+async fn metrics_handler(State(s): State<AdminState>) -> (StatusCode, String) {
+    match &s.prometheus {
+        Some(h) => (StatusCode::OK, h.render()),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "metrics recorder not installed in this process\n".into(),
+        ),
+    }
+}
+
+async fn readyz(State(s): State<AdminState>) -> (StatusCode, &'static str) {
+    if s.ready.get() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    }
+}

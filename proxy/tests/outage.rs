@@ -1,0 +1,125 @@
+//! Broker outage during traffic: clients see no error, and once the broker is back every
+//! interaction is in Kafka (checked by id). Stops and restarts the real local broker through
+//! `deploy/services.sh`, so it lives in its own test binary (cargo runs binaries one by one).
+
+mod common;
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+fn services(action: &str) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/services.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .arg(action)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "services.sh {action} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Restarts the broker even when the test fails half-way, so later tests find it up.
+struct BrokerGuard;
+impl Drop for BrokerGuard {
+    fn drop(&mut self) {
+        services("kafka-start");
+    }
+}
+
+async fn send(proxy: &TestProxy, i: usize, phase: &str) -> (String, Duration) {
+    let started = Instant::now();
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .header("x-hindsight-episode", format!("outage-{}", i % 7))
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": format!("{phase} {i}")}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "client error during {phase}");
+    let id = r.headers()["x-hindsight-interaction-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    r.bytes().await.unwrap();
+    (id, started.elapsed())
+}
+
+/// Sum of a metric's samples over all label sets, from the proxy's /metrics.
+async fn metric_sum(proxy: &TestProxy, name: &str) -> f64 {
+    let m = client()
+        .get(format!("http://{}/metrics", proxy.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    m.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_outage_loses_no_record_and_fails_no_request() {
+    if std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.starts_with("127.0.0.1:9092")) {
+        panic!("the outage test stops the local broker; it needs KAFKA_BROKERS=127.0.0.1:9092");
+    }
+    let up = start_mock_upstream().await;
+    let proxy = start_proxy(up, |c| {
+        c.log.message_timeout_ms = 2_000;
+        c.log.probe_interval_ms = 500;
+    })
+    .await;
+    let mut ids = HashSet::new();
+    for i in 0..30 {
+        ids.insert(send(&proxy, i, "before").await.0);
+    }
+
+    let guard = BrokerGuard;
+    services("kafka-stop");
+    let mut worst = Duration::ZERO;
+    for i in 0..150 {
+        let (id, took) = send(&proxy, i, "outage").await;
+        worst = worst.max(took);
+        ids.insert(id);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Give the writer time to give up on Kafka and spill what it holds.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let spilled = metric_sum(&proxy, "hindsight_log_spilled_records_total").await;
+    drop(guard); // broker back
+    for i in 0..20 {
+        ids.insert(send(&proxy, i, "after").await.0);
+    }
+    println!("worst client latency during the outage: {worst:?}; records spilled: {spilled}");
+    assert_eq!(ids.len(), 200);
+
+    let reader = proxy.reader();
+    let recs = read_interactions(&reader, ids.len(), Duration::from_secs(180)).await;
+    let got: HashSet<String> = recs.iter().map(|r| r.interaction_id.to_string()).collect();
+    let missing: Vec<_> = ids.difference(&got).collect();
+    assert!(
+        missing.is_empty(),
+        "{} records lost, e.g. {:?}",
+        missing.len(),
+        missing.iter().take(3).collect::<Vec<_>>()
+    );
+    assert_eq!(got.len(), ids.len(), "no foreign records");
+    assert!(
+        spilled > 0.0,
+        "the outage should have sent records to the spill"
+    );
+    let replayed = metric_sum(&proxy, "hindsight_log_replayed_records_total").await;
+    assert!(replayed > 0.0, "spilled records are replayed");
+    let report = proxy.stop().await;
+    assert_eq!(report.log.dropped_records, 0, "{report:?}");
+}
