@@ -97,6 +97,8 @@ pub enum FeedbackValue {
     Correction(Correction),
     /// The outcome of a tool step.
     ToolOutcome(ToolOutcome),
+    /// Only withdraws the feedback named in `retracts`; carries no judgement itself.
+    Retraction,
 }
 
 impl FeedbackValue {
@@ -108,6 +110,7 @@ impl FeedbackValue {
             FeedbackValue::Comment(_) => "comment",
             FeedbackValue::Correction(_) => "correction",
             FeedbackValue::ToolOutcome(_) => "tool_outcome",
+            FeedbackValue::Retraction => "retraction",
         }
     }
 }
@@ -363,6 +366,47 @@ mod tests {
         assert_eq!(json["value"], 0.5);
         let back: FeedbackRecord = serde_json::from_value(json).unwrap();
         assert_eq!(back, rec);
+    }
+
+    #[test]
+    fn retraction_round_trips() {
+        let rec = FeedbackRecord {
+            schema: FEEDBACK_SCHEMA.into(),
+            feedback_id: Uuid::now_v7(),
+            target: FeedbackTarget::Episode("e".into()),
+            value: FeedbackValue::Retraction,
+            metric: None,
+            source: None,
+            rater: None,
+            tags: vec!["x".into()],
+            retracts: Some(Uuid::now_v7()),
+            event_time_ms: 1,
+        };
+        let json = serde_json::to_value(&rec).unwrap();
+        assert_eq!(json["kind"], "retraction");
+        let back: FeedbackRecord = serde_json::from_value(json).unwrap();
+        assert_eq!(back, rec);
+        let t = FeedbackRecord {
+            value: FeedbackValue::ToolOutcome(ToolOutcome {
+                success: false,
+                detail: "boom".into(),
+                tool_call_id: Some("c1".into()),
+            }),
+            ..rec.clone()
+        };
+        let back: FeedbackRecord =
+            serde_json::from_str(&serde_json::to_string(&t).unwrap()).unwrap();
+        assert_eq!(back, t);
+        let c = FeedbackRecord {
+            value: FeedbackValue::Correction(Correction::Message(CorrectionMessage {
+                content: None,
+                tool_calls: Some(vec![serde_json::json!({"id": "c"})]),
+            })),
+            ..rec
+        };
+        let back: FeedbackRecord =
+            serde_json::from_str(&serde_json::to_string(&c).unwrap()).unwrap();
+        assert_eq!(back, c);
     }
 
     #[test]
