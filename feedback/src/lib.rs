@@ -2,6 +2,7 @@
 
 mod api;
 mod episodes;
+mod joiner;
 mod log;
 mod reader;
 mod records;
@@ -14,6 +15,7 @@ pub use api::{
     SigningConfig, ValidatedFeedbackConfig, FEEDBACK_BATCH_PATH, FEEDBACK_PATH, IDEMPOTENCY_HEADER,
 };
 pub use episodes::EpisodeInference;
+pub use joiner::{run_joiner, JoinerConfig, JoinerStats, ValidatedJoinerConfig};
 pub use log::{
     ensure_topics, FlushReport, LogConfig, LogError, LogHandle, LogStats, RecordLog, TopicNames,
     ValidatedLogConfig, ID_HEADER,

@@ -323,7 +323,7 @@ impl ValidatedLogConfig {
         cc
     }
 
-    fn producer_config(&self) -> ClientConfig {
+    pub(crate) fn producer_config(&self) -> ClientConfig {
         let mut cc = self.client_config();
         cc.set("enable.idempotence", "true")
             .set("acks", "all")
