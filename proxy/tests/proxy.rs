@@ -423,14 +423,22 @@ async fn admin_endpoints_and_metrics() {
             .status(),
         200
     );
-    let m = client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    // Delivery to Kafka is asynchronous: poll until the log's counter shows the record.
+    let mut m = String::new();
+    for _ in 0..120 {
+        m = client()
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if m.contains("hindsight_log_delivered_records_total") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     for name in [
         "hindsight_proxy_requests_total",
         "hindsight_proxy_overhead_seconds",
