@@ -1,3 +1,5 @@
 //! Benchmarks and the simulated production environment used to measure Hindsight.
 
 pub mod env;
+pub mod load;
+pub mod mock_upstream;

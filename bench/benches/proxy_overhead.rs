@@ -1,0 +1,300 @@
+//! Proxy overhead, open loop: a fixed-latency mock upstream, then a constant request rate sent
+//! directly and through `hindsight proxy` (Kafka logging ON, to the local broker), back to back
+//! at each rate. Prints p50/p99/p99.9 of both, the added latency, and the proxy's RSS and CPU
+//! per request.
+//!
+//!     cargo bench -p hindsight-bench --bench proxy_overhead
+//!
+//! Knobs (env): RATES="500 2000" DURATION_S=20 WARMUP_S=3 UPSTREAM_LATENCY_MS=10
+//! PROXY_THREADS=2 MAX_IN_FLIGHT=512 KAFKA_BROKERS=127.0.0.1:9092
+//!
+//! The mock and the proxy run as child processes (this same binary, re-executed with a role)
+//! so the proxy's memory and CPU are its own.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use hindsight_bench::load::{open_loop, LoadResult, Target};
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() -> anyhow::Result<()> {
+    match std::env::var("HINDSIGHT_BENCH_ROLE").as_deref() {
+        Ok("mock") => role_mock(),
+        Ok("proxy") => role_proxy(),
+        _ => parent(),
+    }
+}
+
+/// Child: mock upstream. Prints `READY addr`, serves until stdin closes.
+fn role_mock() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let delay = Duration::from_micros((env_or("UPSTREAM_LATENCY_MS", 10.0f64) * 1000.0) as u64);
+        let addr = hindsight_bench::mock_upstream::spawn(delay).await?;
+        println!("READY {addr}");
+        wait_stdin_closed().await;
+        Ok(())
+    })
+}
+
+/// Child: the proxy, configured from `HINDSIGHT_PROXY__*` / `HINDSIGHT_LOG__*`.
+fn role_proxy() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(env_or("PROXY_THREADS", 2usize))
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let config = hindsight_proxy::RawConfig::load(None, std::env::vars())?.validate()?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        println!("READY {} {}", listener.local_addr()?, admin.local_addr()?);
+        let report = hindsight_proxy::run(
+            config,
+            listener,
+            admin,
+            hindsight_proxy::Extensions::default(),
+            wait_stdin_closed(),
+        )
+        .await?;
+        eprintln!("proxy stopped: {report:?}");
+        Ok(())
+    })
+}
+
+async fn wait_stdin_closed() {
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut buf = String::new();
+        while std::io::stdin()
+            .read_line(&mut buf)
+            .map(|n| n > 0)
+            .unwrap_or(false)
+        {}
+    })
+    .await;
+}
+
+struct ChildProc {
+    child: Child,
+    ready: Vec<String>,
+}
+
+impl ChildProc {
+    fn start(role: &str, envs: &[(&str, String)]) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?;
+        let mut cmd = Command::new(exe);
+        cmd.env("HINDSIGHT_BENCH_ROLE", role)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (k, v) in envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn()?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line)?;
+        let Some(rest) = line.trim().strip_prefix("READY ") else {
+            bail!("{role} did not start: {line:?}");
+        };
+        let ready = rest.split(' ').map(str::to_string).collect();
+        Ok(Self { child, ready })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident memory (current, peak) in MiB.
+    fn rss_mib(&self) -> (f64, f64) {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<f64>().ok())
+                .map(|kb| kb / 1024.0)
+                .unwrap_or(f64::NAN)
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+
+    /// User + system CPU seconds so far.
+    fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
+        // Fields after the parenthesised command name; utime and stime are 14 and 15 overall.
+        let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        let f: Vec<&str> = after.split_whitespace().collect();
+        let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        (ticks(11) + ticks(12)) / 100.0
+    }
+
+    fn stop(mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
+fn body() -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": "mock-model",
+            "messages": [
+                {"role": "system", "content": "You are a support agent. Answer with a JSON decision."},
+                {"role": "user", "content": "Order A-1042 arrived broken. I want my money back."}
+            ],
+            "temperature": 0.2
+        })
+        .to_string(),
+    )
+}
+
+fn row(label: &str, r: &LoadResult) -> String {
+    format!(
+        "{label:<8} sent {:>6} ok {:>6} err {:>4}  p50 {:>7.3} ms  p99 {:>7.3} ms  p99.9 {:>7.3} ms  max {:>8.3} ms",
+        r.sent,
+        r.ok,
+        r.errors,
+        r.quantile_ms(0.5),
+        r.quantile_ms(0.99),
+        r.quantile_ms(0.999),
+        r.latency_us.max() as f64 / 1000.0
+    )
+}
+
+async fn metric_sum(admin: &str, name: &str) -> f64 {
+    let Ok(resp) = reqwest::get(format!("http://{admin}/metrics")).await else {
+        return f64::NAN;
+    };
+    let text = resp.text().await.unwrap_or_default();
+    text.lines()
+        .filter(|l| l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn parent() -> anyhow::Result<()> {
+    let rates: Vec<f64> = std::env::var("RATES")
+        .unwrap_or_else(|_| "500 2000".into())
+        .split_whitespace()
+        .filter_map(|r| r.parse().ok())
+        .collect();
+    let duration = Duration::from_secs(env_or("DURATION_S", 20u64));
+    let warmup = Duration::from_secs(env_or("WARMUP_S", 3u64));
+    let max_in_flight = env_or("MAX_IN_FLIGHT", 512usize);
+    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let latency_ms: f64 = env_or("UPSTREAM_LATENCY_MS", 10.0);
+    let spill = tempfile_dir()?;
+
+    let mock = ChildProc::start("mock", &[("UPSTREAM_LATENCY_MS", latency_ms.to_string())])?;
+    let upstream = mock.ready[0].clone();
+    let prefix = format!("bench-{}", uuid::Uuid::now_v7().simple());
+    let proxy = ChildProc::start(
+        "proxy",
+        &[
+            (
+                "HINDSIGHT_PROXY__UPSTREAM_URL",
+                format!("http://{upstream}"),
+            ),
+            ("HINDSIGHT_LOG__BROKERS", brokers.clone()),
+            ("HINDSIGHT_LOG__TOPIC_PREFIX", prefix.clone()),
+            ("HINDSIGHT_LOG__SPILL_DIR", spill.clone()),
+            ("RUST_LOG", "warn".into()),
+        ],
+    )?;
+    let proxy_addr = proxy.ready[0].clone();
+    let admin_addr = proxy.ready[1].clone();
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    println!(
+        "proxy_overhead: upstream latency {latency_ms} ms, {}s per run (+{}s warm-up), open loop, max {max_in_flight} in flight; Kafka logging ON ({brokers}, topics {prefix}.*); {} cores",
+        duration.as_secs(),
+        warmup.as_secs(),
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+    );
+    let mut results = Vec::new();
+    rt.block_on(async {
+        let direct = Target {
+            url: format!("http://{upstream}/v1/chat/completions"),
+            body: body(),
+            headers: vec![
+                ("content-type".into(), "application/json".into()),
+                ("authorization".into(), "Bearer sk-bench".into()),
+            ],
+        };
+        let via = Target {
+            url: format!("http://{proxy_addr}/v1/chat/completions"),
+            ..direct.clone()
+        };
+        for &rate in &rates {
+            // Warm both paths (connection pools, allocator) before measuring.
+            open_loop(&direct, rate, warmup, max_in_flight).await?;
+            let d = open_loop(&direct, rate, duration, max_in_flight).await?;
+            open_loop(&via, rate, warmup, max_in_flight).await?;
+            let cpu0 = proxy.cpu_seconds();
+            let p = open_loop(&via, rate, duration, max_in_flight).await?;
+            let cpu = proxy.cpu_seconds() - cpu0;
+            let (rss, peak) = proxy.rss_mib();
+            println!("\n== {rate} requests/s");
+            println!("{}", row("direct", &d));
+            println!("{}", row("proxy", &p));
+            let added = |q: f64| p.quantile_ms(q) - d.quantile_ms(q);
+            println!(
+                "added    p50 {:+.3} ms  p99 {:+.3} ms  p99.9 {:+.3} ms   proxy RSS {rss:.1} MiB (peak {peak:.1})  proxy CPU {:.1} µs/request",
+                added(0.5),
+                added(0.99),
+                added(0.999),
+                cpu / p.sent.max(1) as f64 * 1e6
+            );
+            results.push(serde_json::json!({
+                "rate": rate,
+                "direct_ms": {"p50": d.quantile_ms(0.5), "p99": d.quantile_ms(0.99), "p999": d.quantile_ms(0.999)},
+                "proxy_ms": {"p50": p.quantile_ms(0.5), "p99": p.quantile_ms(0.99), "p999": p.quantile_ms(0.999)},
+                "added_ms": {"p50": added(0.5), "p99": added(0.99), "p999": added(0.999)},
+                "errors": {"direct": d.errors, "proxy": p.errors},
+                "proxy_rss_mib": rss, "proxy_peak_rss_mib": peak,
+                "proxy_cpu_us_per_request": cpu / p.sent.max(1) as f64 * 1e6,
+            }));
+        }
+        // Let the log catch up, then report what reached Kafka.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let delivered = metric_sum(&admin_addr, "hindsight_log_delivered_records_total").await;
+        let spilled = metric_sum(&admin_addr, "hindsight_log_spilled_records_total").await;
+        let dropped = metric_sum(&admin_addr, "hindsight_log_dropped_records_total").await;
+        println!("\nKafka log: {delivered} records delivered, {spilled} spilled, {dropped} dropped");
+        results.push(serde_json::json!({"kafka": {"delivered": delivered, "spilled": spilled, "dropped": dropped}}));
+        anyhow::Ok(())
+    })?;
+    proxy.stop();
+    mock.stop();
+    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
+    std::fs::create_dir_all(&out)?;
+    let file = out.join("proxy_overhead.json");
+    let mut f = std::fs::File::create(&file)?;
+    writeln!(f, "{}", serde_json::to_string_pretty(&results)?)?;
+    println!("results written to {}", file.display());
+    let _ = std::fs::remove_dir_all(&spill);
+    Ok(())
+}
+
+fn tempfile_dir() -> anyhow::Result<String> {
+    let dir = std::env::temp_dir().join(format!("hindsight-bench-spill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir.display().to_string())
+}
