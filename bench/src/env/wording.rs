@@ -60,11 +60,16 @@ fn body(rng: &mut Rng, issue: IssueKind, order: &Order) -> String {
             "You billed my card two times for the {p}, order {o}.",
             "There's a duplicate charge for order {o} on my account.",
         ],
-        IssueKind::NotWorking => &[
+        IssueKind::NotWorking if matches!(order.category.as_str(), "electronics" | "kitchen") => &[
             "The {p} from order {o} stopped working after a few uses.",
             "My {p} (order {o}) won't turn on anymore.",
             "Order {o}: the {p} keeps failing and I can't get it to work.",
             "The {p} I bought (order {o}) has a fault - it just doesn't work properly.",
+        ],
+        IssueKind::NotWorking => &[
+            "The {p} from order {o} is already falling apart after a few uses.",
+            "My {p} (order {o}) has a defect - a seam came loose in the first week.",
+            "Order {o}: the {p} is faulty and no longer usable.",
         ],
         IssueKind::ChangedMind => &[
             "I'd like to return the {p} from order {o}; I changed my mind.",
