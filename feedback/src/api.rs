@@ -126,10 +126,7 @@ fn default_max_name_chars() -> usize {
     256
 }
 fn default_metrics() -> BTreeMap<String, MetricRange> {
-    BTreeMap::from([(
-        "quality".to_string(),
-        MetricRange { min: 0.0, max: 1.0 },
-    )])
+    BTreeMap::from([("quality".to_string(), MetricRange { min: 0.0, max: 1.0 })])
 }
 fn default_redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
@@ -239,9 +236,12 @@ impl std::fmt::Debug for FeedbackState {
 
 impl FeedbackState {
     /// Builds the state; Redis is connected lazily on the first idempotent request.
-    pub fn new(cfg: ValidatedFeedbackConfig, log: LogHandle) -> Result<FeedbackState, FeedbackError> {
-        let redis = LazyRedis::new(&cfg.raw.redis_url)
-            .map_err(|e| bad("redis_url", e.to_string()))?;
+    pub fn new(
+        cfg: ValidatedFeedbackConfig,
+        log: LogHandle,
+    ) -> Result<FeedbackState, FeedbackError> {
+        let redis =
+            LazyRedis::new(&cfg.raw.redis_url).map_err(|e| bad("redis_url", e.to_string()))?;
         Ok(FeedbackState {
             inner: Arc::new(Inner { cfg, log, redis }),
         })
@@ -332,11 +332,15 @@ fn status_label(s: StatusCode) -> &'static str {
 }
 
 async fn post_one(State(st): State<FeedbackState>, req: Request) -> Response {
-    handle(st, req, false).await.unwrap_or_else(IntoResponse::into_response)
+    handle(st, req, false)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn post_batch(State(st): State<FeedbackState>, req: Request) -> Response {
-    handle(st, req, true).await.unwrap_or_else(IntoResponse::into_response)
+    handle(st, req, true)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Result<Option<&'a str>, ApiError> {
@@ -369,14 +373,19 @@ async fn handle(st: FeedbackState, req: Request, batch: bool) -> Result<Response
         )
     };
     if let Some(len) = header(&parts.headers, "content-length")? {
-        if len.parse::<u64>().map_or(true, |n| n > cfg.max_body_bytes as u64) {
+        if len
+            .parse::<u64>()
+            .map_or(true, |n| n > cfg.max_body_bytes as u64)
+        {
             return Err(too_big());
         }
     }
-    let raw = read_body(body, cfg.max_body_bytes).await.map_err(|e| match e {
-        BodyFail::TooBig => too_big(),
-        BodyFail::Broken => ApiError::new(StatusCode::BAD_REQUEST, "body", "could not be read"),
-    })?;
+    let raw = read_body(body, cfg.max_body_bytes)
+        .await
+        .map_err(|e| match e {
+            BodyFail::TooBig => too_big(),
+            BodyFail::Broken => ApiError::new(StatusCode::BAD_REQUEST, "body", "could not be read"),
+        })?;
     if !cfg.signing.secrets.is_empty() {
         let now_s = now_ms() / 1000;
         signing::verify(
@@ -394,7 +403,9 @@ async fn handle(st: FeedbackState, req: Request, batch: bool) -> Result<Response
                 SignatureError::Mismatch => SIGNATURE_HEADER,
             };
             let reason = match e {
-                SignatureError::Missing(_) => "missing; this endpoint requires signed requests".into(),
+                SignatureError::Missing(_) => {
+                    "missing; this endpoint requires signed requests".into()
+                }
                 other => other.to_string(),
             };
             ApiError::new(StatusCode::UNAUTHORIZED, field, reason)
@@ -411,8 +422,13 @@ async fn handle(st: FeedbackState, req: Request, batch: bool) -> Result<Response
         }
         Some(k) => Some(k.to_string()),
     };
-    let value: Value = serde_json::from_slice(&raw)
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "body", format!("invalid JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(&raw).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "body",
+            format!("invalid JSON: {e}"),
+        )
+    })?;
     let now = now_ms();
     let records = if batch {
         let obj = value
@@ -463,7 +479,8 @@ async fn handle(st: FeedbackState, req: Request, batch: bool) -> Result<Response
         }
     }
     for rec in &records {
-        metrics::counter!("hindsight_feedback_events_total", "kind" => rec.value.kind()).increment(1);
+        metrics::counter!("hindsight_feedback_events_total", "kind" => rec.value.kind())
+            .increment(1);
         st.inner
             .log
             .submit_json(Topic::Feedback, rec.target.key(), rec.feedback_id, rec);
@@ -481,7 +498,9 @@ async fn read_body(body: Body, max: usize) -> Result<bytes::Bytes, BodyFail> {
     match limited.collect().await {
         Ok(c) => Ok(c.to_bytes()),
         Err(e) => {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 Err(BodyFail::TooBig)
             } else {
                 Err(BodyFail::Broken)
@@ -491,7 +510,11 @@ async fn read_body(body: Body, max: usize) -> Result<bytes::Bytes, BodyFail> {
 }
 
 /// Stores the answer under the key unless the key exists; returns the earlier answer if it did.
-async fn remember_once(st: &FeedbackState, key: &str, answer: &str) -> Result<Option<String>, ApiError> {
+async fn remember_once(
+    st: &FeedbackState,
+    key: &str,
+    answer: &str,
+) -> Result<Option<String>, ApiError> {
     let unavailable = |e: redis::RedisError| {
         warn!(error = %e, "Idempotency store unavailable.");
         ApiError::new(
@@ -574,7 +597,10 @@ fn opt_name(
 
 fn check_text(s: &str, field: &str, max: usize) -> Result<(), ApiError> {
     if s.chars().count() > max {
-        return Err(ApiError::invalid(field, format!("longer than {max} characters")));
+        return Err(ApiError::invalid(
+            field,
+            format!("longer than {max} characters"),
+        ));
     }
     Ok(())
 }
@@ -586,10 +612,22 @@ fn parse_uuid(v: &Value, field: &str) -> Result<Uuid, ApiError> {
 }
 
 /// Validates one event into a record (with a fresh feedback id).
-fn parse_event(cfg: &FeedbackConfig, v: &Value, p: &str, now: i64) -> Result<FeedbackRecord, ApiError> {
+fn parse_event(
+    cfg: &FeedbackConfig,
+    v: &Value,
+    p: &str,
+    now: i64,
+) -> Result<FeedbackRecord, ApiError> {
     let field = |k: &str| format!("{p}{k}");
     let obj = v.as_object().ok_or_else(|| {
-        ApiError::invalid(if p.is_empty() { "body".to_string() } else { p.trim_end_matches('.').to_string() }, "must be a JSON object")
+        ApiError::invalid(
+            if p.is_empty() {
+                "body".to_string()
+            } else {
+                p.trim_end_matches('.').to_string()
+            },
+            "must be a JSON object",
+        )
     })?;
     if let Some(k) = obj.keys().find(|k| !EVENT_FIELDS.contains(&k.as_str())) {
         return Err(ApiError::invalid(field(k), "unknown field"));
@@ -622,7 +660,10 @@ fn parse_event(cfg: &FeedbackConfig, v: &Value, p: &str, now: i64) -> Result<Fee
     let need = |what: &str| ApiError::invalid(field("value"), what.to_string());
     let metric = opt_name(obj, "metric", p, cfg.max_name_chars)?;
     if metric.is_some() && kind != "score" {
-        return Err(ApiError::invalid(field("metric"), "only allowed with kind score"));
+        return Err(ApiError::invalid(
+            field("metric"),
+            "only allowed with kind score",
+        ));
     }
     let retracts = match obj.get("retracts") {
         None | Some(Value::Null) => None,
@@ -639,9 +680,9 @@ fn parse_event(cfg: &FeedbackConfig, v: &Value, p: &str, now: i64) -> Result<Fee
                 .and_then(Value::as_f64)
                 .filter(|x| x.is_finite())
                 .ok_or_else(|| need("must be a number for kind score"))?;
-            let m = metric
-                .as_deref()
-                .ok_or_else(|| ApiError::invalid(field("metric"), "missing: kind score needs a metric"))?;
+            let m = metric.as_deref().ok_or_else(|| {
+                ApiError::invalid(field("metric"), "missing: kind score needs a metric")
+            })?;
             let range = cfg.metrics.get(m).ok_or_else(|| {
                 ApiError::invalid(field("metric"), format!("undeclared metric `{m}`"))
             })?;
@@ -664,13 +705,18 @@ fn parse_event(cfg: &FeedbackConfig, v: &Value, p: &str, now: i64) -> Result<Fee
             FeedbackValue::Comment(s.to_string())
         }
         "correction" => FeedbackValue::Correction(parse_correction(cfg, value, &field("value"))?),
-        "tool_outcome" => FeedbackValue::ToolOutcome(parse_tool_outcome(cfg, value, &field("value"))?),
+        "tool_outcome" => {
+            FeedbackValue::ToolOutcome(parse_tool_outcome(cfg, value, &field("value"))?)
+        }
         "retraction" => {
             if value.is_some_and(|v| !v.is_null()) {
                 return Err(need("must be absent for kind retraction"));
             }
             if retracts.is_none() {
-                return Err(ApiError::invalid(field("retracts"), "missing: kind retraction needs retracts"));
+                return Err(ApiError::invalid(
+                    field("retracts"),
+                    "missing: kind retraction needs retracts",
+                ));
             }
             FeedbackValue::Retraction
         }
@@ -685,19 +731,29 @@ fn parse_event(cfg: &FeedbackConfig, v: &Value, p: &str, now: i64) -> Result<Fee
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => {
             if a.len() > cfg.max_tags {
-                return Err(ApiError::invalid(field("tags"), format!("more than {} tags", cfg.max_tags)));
+                return Err(ApiError::invalid(
+                    field("tags"),
+                    format!("more than {} tags", cfg.max_tags),
+                ));
             }
             a.iter()
                 .enumerate()
                 .map(|(i, t)| {
                     let f = format!("{p}tags[{i}]");
-                    let s = t.as_str().ok_or_else(|| ApiError::invalid(&f, "must be a string"))?;
+                    let s = t
+                        .as_str()
+                        .ok_or_else(|| ApiError::invalid(&f, "must be a string"))?;
                     check_text(s, &f, cfg.max_name_chars)?;
                     Ok(s.to_string())
                 })
                 .collect::<Result<Vec<_>, ApiError>>()?
         }
-        Some(_) => return Err(ApiError::invalid(field("tags"), "must be an array of strings")),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                field("tags"),
+                "must be an array of strings",
+            ))
+        }
     };
     Ok(FeedbackRecord {
         schema: FEEDBACK_SCHEMA.to_string(),
@@ -713,7 +769,11 @@ fn parse_event(cfg: &FeedbackConfig, v: &Value, p: &str, now: i64) -> Result<Fee
     })
 }
 
-fn parse_correction(cfg: &FeedbackConfig, v: Option<&Value>, f: &str) -> Result<Correction, ApiError> {
+fn parse_correction(
+    cfg: &FeedbackConfig,
+    v: Option<&Value>,
+    f: &str,
+) -> Result<Correction, ApiError> {
     match v {
         Some(Value::String(s)) => {
             if s.trim().is_empty() {
@@ -773,11 +833,18 @@ fn parse_correction(cfg: &FeedbackConfig, v: Option<&Value>, f: &str) -> Result<
     }
 }
 
-fn parse_tool_outcome(cfg: &FeedbackConfig, v: Option<&Value>, f: &str) -> Result<ToolOutcome, ApiError> {
+fn parse_tool_outcome(
+    cfg: &FeedbackConfig,
+    v: Option<&Value>,
+    f: &str,
+) -> Result<ToolOutcome, ApiError> {
     let o = v.and_then(Value::as_object).ok_or_else(|| {
         ApiError::invalid(f, "must be {\"success\": bool, \"detail\": str, \"tool_call_id\"?: str} for kind tool_outcome")
     })?;
-    if let Some(k) = o.keys().find(|k| !matches!(k.as_str(), "success" | "detail" | "tool_call_id")) {
+    if let Some(k) = o
+        .keys()
+        .find(|k| !matches!(k.as_str(), "success" | "detail" | "tool_call_id"))
+    {
         return Err(ApiError::invalid(format!("{f}.{k}"), "unknown field"));
     }
     let success = o
@@ -820,7 +887,10 @@ mod tests {
             ("score", json!(0.5)),
             ("comment", json!("nice")),
             ("correction", json!("better")),
-            ("correction", json!({"content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]})),
+            (
+                "correction",
+                json!({"content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}),
+            ),
             ("tool_outcome", json!({"success": false, "detail": "404"})),
         ] {
             let mut ev = json!({"interaction_id": id, "kind": kind, "value": value});
@@ -835,18 +905,57 @@ mod tests {
     #[test]
     fn rejections_name_the_field() {
         let id = Uuid::now_v7().to_string();
-        assert_eq!(err(json!({"kind": "thumbs", "value": true})).field, "interaction_id");
-        assert_eq!(err(json!({"interaction_id": "x", "kind": "thumbs", "value": true})).field, "interaction_id");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "thumbs", "value": 1})).field, "value");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "score", "value": 2, "metric": "quality"})).field, "value");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "score", "value": 0.2, "metric": "nope"})).field, "metric");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "score", "value": 0.2})).field, "metric");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "thumbs", "value": true, "extra": 1})).field, "extra");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "bad"})).field, "kind");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "thumbs", "value": true, "tags": [1]})).field, "tags[0]");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "comment", "value": "x".repeat(20000)})).field, "value");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "tool_outcome", "value": {"success": "yes"}})).field, "value.success");
-        assert_eq!(err(json!({"interaction_id": id, "kind": "retraction"})).field, "retracts");
+        assert_eq!(
+            err(json!({"kind": "thumbs", "value": true})).field,
+            "interaction_id"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": "x", "kind": "thumbs", "value": true})).field,
+            "interaction_id"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "thumbs", "value": 1})).field,
+            "value"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "score", "value": 2, "metric": "quality"}))
+                .field,
+            "value"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "score", "value": 0.2, "metric": "nope"}))
+                .field,
+            "metric"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "score", "value": 0.2})).field,
+            "metric"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "thumbs", "value": true, "extra": 1})).field,
+            "extra"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "bad"})).field,
+            "kind"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "thumbs", "value": true, "tags": [1]})).field,
+            "tags[0]"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "comment", "value": "x".repeat(20000)})).field,
+            "value"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "tool_outcome", "value": {"success": "yes"}}))
+                .field,
+            "value.success"
+        );
+        assert_eq!(
+            err(json!({"interaction_id": id, "kind": "retraction"})).field,
+            "retracts"
+        );
         assert_eq!(err(json!([1])).field, "body");
     }
 }

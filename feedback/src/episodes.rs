@@ -146,7 +146,9 @@ fn normalise_into(msg: &Value, h: &mut Sha256) {
             let mut text = String::new();
             for p in parts {
                 match p.get("type").and_then(Value::as_str) {
-                    Some("text") => text.push_str(p.get("text").and_then(Value::as_str).unwrap_or("")),
+                    Some("text") => {
+                        text.push_str(p.get("text").and_then(Value::as_str).unwrap_or(""))
+                    }
                     _ => text.push_str(&p.to_string()),
                 }
             }
@@ -163,7 +165,9 @@ fn normalise_into(msg: &Value, h: &mut Sha256) {
             field(
                 h,
                 b"n",
-                f.and_then(|f| f.get("name")).and_then(Value::as_str).unwrap_or(""),
+                f.and_then(|f| f.get("name"))
+                    .and_then(Value::as_str)
+                    .unwrap_or(""),
             );
             let args = f.and_then(|f| f.get("arguments"));
             let canon = match args {
@@ -203,7 +207,12 @@ mod tests {
         inf.remember(&t1, &a1, &ep);
         let a1_resent = json!({"role": "assistant", "content": "",
             "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\":\"Paris\"}"}}]});
-        let t2 = vec![sys.clone(), user.clone(), a1_resent.clone(), json!({"role": "tool", "tool_call_id": "call_1", "content": "sunny"})];
+        let t2 = vec![
+            sys.clone(),
+            user.clone(),
+            a1_resent.clone(),
+            json!({"role": "tool", "tool_call_id": "call_1", "content": "sunny"}),
+        ];
         assert_eq!(inf.infer(&t2), (ep.clone(), EpisodeSource::Inferred));
         let a2 = json!({"role": "assistant", "content": "Sunny."});
         inf.remember(&t2, &a2, &ep);

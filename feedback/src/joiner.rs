@@ -238,7 +238,9 @@ where
                 }
             }
         };
-        if !batch.is_empty() || joiner.last_sweep.elapsed() >= Duration::from_millis(raw.sweep_interval_ms) {
+        if !batch.is_empty()
+            || joiner.last_sweep.elapsed() >= Duration::from_millis(raw.sweep_interval_ms)
+        {
             // A failed batch is retried from the same records: nothing is committed until it succeeds.
             let mut attempt = 0u32;
             loop {
@@ -250,7 +252,8 @@ where
                         if stop && attempt >= 3 {
                             return Ok(joiner.stats);
                         }
-                        tokio::time::sleep(Duration::from_millis(500 * u64::from(attempt.min(10)))).await;
+                        tokio::time::sleep(Duration::from_millis(500 * u64::from(attempt.min(10))))
+                            .await;
                     }
                 }
             }
@@ -318,7 +321,11 @@ impl Joiner {
         (self.cfg.window_ms + self.cfg.unknown_target_grace_ms) / 1000 + 86_400
     }
 
-    async fn process(&mut self, redis: &LazyRedis, batch: &[RawRecord]) -> Result<(), FeedbackError> {
+    async fn process(
+        &mut self,
+        redis: &LazyRedis,
+        batch: &[RawRecord],
+    ) -> Result<(), FeedbackError> {
         let mut conn = redis.get().await?;
         let mut affected: BTreeSet<Uuid> = BTreeSet::new();
         let mut outputs: Vec<Output> = Vec::new();
@@ -359,7 +366,11 @@ impl Joiner {
         self.emit(&mut conn, outputs).await
     }
 
-    async fn apply_interaction(&self, conn: &mut ConnectionManager, i: &InteractionRecord) -> Result<(), FeedbackError> {
+    async fn apply_interaction(
+        &self,
+        conn: &mut ConnectionManager,
+        i: &InteractionRecord,
+    ) -> Result<(), FeedbackError> {
         let ttl = self.ttl_s();
         let json = serde_json::to_string(i).unwrap_or_default();
         let ep_key = self.k(&format!("ep:{}", i.episode_id));
@@ -375,19 +386,34 @@ impl Joiner {
         Ok(())
     }
 
-    async fn turns_of(&self, conn: &mut ConnectionManager, tkey: &str) -> Result<Vec<Uuid>, FeedbackError> {
+    async fn turns_of(
+        &self,
+        conn: &mut ConnectionManager,
+        tkey: &str,
+    ) -> Result<Vec<Uuid>, FeedbackError> {
         if let Some(id) = tkey.strip_prefix("i:") {
             let exists: bool = conn.exists(self.k(&format!("int:{id}"))).await?;
-            Ok(if exists { Uuid::parse_str(id).ok().into_iter().collect() } else { vec![] })
+            Ok(if exists {
+                Uuid::parse_str(id).ok().into_iter().collect()
+            } else {
+                vec![]
+            })
         } else if let Some(ep) = tkey.strip_prefix("e:") {
             let members: Vec<String> = conn.smembers(self.k(&format!("ep:{ep}"))).await?;
-            Ok(members.iter().filter_map(|m| Uuid::parse_str(m).ok()).collect())
+            Ok(members
+                .iter()
+                .filter_map(|m| Uuid::parse_str(m).ok())
+                .collect())
         } else {
             Ok(vec![])
         }
     }
 
-    async fn load_turn(&self, conn: &mut ConnectionManager, turn: Uuid) -> Result<Option<InteractionRecord>, FeedbackError> {
+    async fn load_turn(
+        &self,
+        conn: &mut ConnectionManager,
+        turn: Uuid,
+    ) -> Result<Option<InteractionRecord>, FeedbackError> {
         let raw: Option<String> = conn.get(self.k(&format!("int:{turn}"))).await?;
         Ok(raw.and_then(|s| serde_json::from_str(&s).ok()))
     }
@@ -442,7 +468,15 @@ impl Joiner {
         let mut dead = Vec::new();
         if in_window {
             turns.extend(own);
-        } else if let Some(o) = self.dead_letter(conn, f.feedback_id, "expired_target", serde_json::to_value(f).unwrap_or(Value::Null)).await? {
+        } else if let Some(o) = self
+            .dead_letter(
+                conn,
+                f.feedback_id,
+                "expired_target",
+                serde_json::to_value(f).unwrap_or(Value::Null),
+            )
+            .await?
+        {
             dead.push(o);
         }
         Ok((turns, dead))
@@ -482,12 +516,29 @@ impl Joiner {
         }))
     }
 
-    async fn malformed(&self, conn: &mut ConnectionManager, rec: &RawRecord, why: &str) -> Result<Option<Output>, FeedbackError> {
+    async fn malformed(
+        &self,
+        conn: &mut ConnectionManager,
+        rec: &RawRecord,
+        why: &str,
+    ) -> Result<Option<Output>, FeedbackError> {
         warn!(topic = %rec.topic, offset = rec.offset, error = why, "Malformed record dead-lettered.");
-        let pseudo = det_uuid(&["malformed", &rec.topic, &rec.partition.to_string(), &rec.offset.to_string()]);
+        let pseudo = det_uuid(&[
+            "malformed",
+            &rec.topic,
+            &rec.partition.to_string(),
+            &rec.offset.to_string(),
+        ]);
         let record = serde_json::from_slice(&rec.payload)
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&rec.payload).into_owned()));
-        let mut o = self.dead_letter(conn, pseudo, "malformed", json!({"error": why, "record": record})).await?;
+        let mut o = self
+            .dead_letter(
+                conn,
+                pseudo,
+                "malformed",
+                json!({"error": why, "record": record}),
+            )
+            .await?;
         if let Some(o) = o.as_mut() {
             o.key = rec.key.clone().unwrap_or_default();
         }
@@ -495,19 +546,30 @@ impl Joiner {
     }
 
     /// Builds the turn's record; None when nothing changed since the last acked emission.
-    async fn recompute(&self, conn: &mut ConnectionManager, turn: Uuid) -> Result<Option<Output>, FeedbackError> {
+    async fn recompute(
+        &self,
+        conn: &mut ConnectionManager,
+        turn: Uuid,
+    ) -> Result<Option<Output>, FeedbackError> {
         let Some(i) = self.load_turn(conn, turn).await? else {
             return Ok(None);
         };
         let mut fb: Vec<FeedbackRecord> = Vec::new();
         for tkey in [format!("i:{turn}"), format!("e:{}", i.episode_id)] {
             let all: HashMap<String, String> = conn.hgetall(self.k(&format!("fb:{tkey}"))).await?;
-            fb.extend(all.values().filter_map(|s| serde_json::from_str::<FeedbackRecord>(s).ok()));
+            fb.extend(
+                all.values()
+                    .filter_map(|s| serde_json::from_str::<FeedbackRecord>(s).ok()),
+            );
         }
         fb.retain(|f| !matches!(f.value, FeedbackValue::Retraction) && self.within_window(&i, f));
         if !fb.is_empty() {
-            let keys: Vec<String> = fb.iter().map(|f| self.k(&format!("rt:{}", f.feedback_id))).collect();
-            let retracted: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(conn).await?;
+            let keys: Vec<String> = fb
+                .iter()
+                .map(|f| self.k(&format!("rt:{}", f.feedback_id)))
+                .collect();
+            let retracted: Vec<Option<String>> =
+                redis::cmd("MGET").arg(&keys).query_async(conn).await?;
             let mut keep = retracted.iter().map(Option::is_none);
             fb.retain(|_| keep.next().unwrap_or(true));
         }
@@ -536,7 +598,11 @@ impl Joiner {
                 .cloned()
                 .unwrap_or(Value::Null),
             tools: i.request.get("tools").cloned(),
-            model: i.request.get("model").and_then(Value::as_str).map(str::to_string),
+            model: i
+                .request
+                .get("model")
+                .and_then(Value::as_str)
+                .map(str::to_string),
         };
         let rec = EpisodeRecord {
             schema: EPISODE_SCHEMA.into(),
@@ -589,7 +655,10 @@ impl Joiner {
                 let _: () = conn.zrem(self.k("pending"), &member).await?;
                 continue;
             };
-            match self.dead_letter(conn, fid_u, "unknown_target", record).await? {
+            match self
+                .dead_letter(conn, fid_u, "unknown_target", record)
+                .await?
+            {
                 Some(mut o) => {
                     o.pending_member = Some((member.clone(), fb_key, fid.to_string()));
                     out.push(o);
@@ -603,7 +672,11 @@ impl Joiner {
     }
 
     /// Produces the outputs, waits for every ack, then records them as done in Redis.
-    async fn emit(&mut self, conn: &mut ConnectionManager, outputs: Vec<Output>) -> Result<(), FeedbackError> {
+    async fn emit(
+        &mut self,
+        conn: &mut ConnectionManager,
+        outputs: Vec<Output>,
+    ) -> Result<(), FeedbackError> {
         if outputs.is_empty() {
             return Ok(());
         }
@@ -618,7 +691,12 @@ impl Joiner {
             let topic = self.log.topics().get(o.topic);
             let fut = self
                 .producer
-                .send_result(FutureRecord::to(topic).key(o.key.as_bytes()).payload(&o.payload).headers(headers))
+                .send_result(
+                    FutureRecord::to(topic)
+                        .key(o.key.as_bytes())
+                        .payload(&o.payload)
+                        .headers(headers),
+                )
                 .map_err(|(e, _)| LogError::from(e))?;
             futs.push(fut);
         }

@@ -84,7 +84,10 @@ pub fn verify(
 ) -> Result<(), SignatureError> {
     let ts_raw = timestamp.ok_or(SignatureError::Missing(TIMESTAMP_HEADER))?;
     let sig_raw = signature.ok_or(SignatureError::Missing(SIGNATURE_HEADER))?;
-    let ts: i64 = ts_raw.trim().parse().map_err(|_| SignatureError::BadTimestamp)?;
+    let ts: i64 = ts_raw
+        .trim()
+        .parse()
+        .map_err(|_| SignatureError::BadTimestamp)?;
     if now_s.abs_diff(ts) > window_s {
         return Err(SignatureError::Stale { window_s });
     }
@@ -129,19 +132,39 @@ mod tests {
         let new = Secret::new("new");
         let body = br#"{"a":1}"#;
         let sig = format!("v1={}", sign(&old, 100, body));
-        assert_eq!(verify(&[new.clone(), old.clone()], 300, 100, Some("100"), Some(&sig), body), Ok(()));
+        assert_eq!(
+            verify(
+                &[new.clone(), old.clone()],
+                300,
+                100,
+                Some("100"),
+                Some(&sig),
+                body
+            ),
+            Ok(())
+        );
         assert_eq!(
             verify(&[new.clone()], 300, 100, Some("100"), Some(&sig), body),
             Err(SignatureError::Mismatch)
         );
         let both = format!("v1=00ff,v1={}", sign(&new, 100, body));
-        assert_eq!(verify(&[new.clone()], 300, 100, Some("100"), Some(&both), body), Ok(()));
+        assert_eq!(
+            verify(&[new.clone()], 300, 100, Some("100"), Some(&both), body),
+            Ok(())
+        );
         assert_eq!(
             verify(&[old.clone()], 300, 401, Some("100"), Some(&sig), body),
             Err(SignatureError::Stale { window_s: 300 })
         );
         assert_eq!(
-            verify(&[old.clone()], 300, 100, Some("100"), Some(&sig), br#"{"a":2}"#),
+            verify(
+                &[old.clone()],
+                300,
+                100,
+                Some("100"),
+                Some(&sig),
+                br#"{"a":2}"#
+            ),
             Err(SignatureError::Mismatch)
         );
         assert_eq!(

@@ -67,7 +67,9 @@ async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delivers_every_record_with_its_key_and_id() {
     let spill = tempfile::tempdir().unwrap();
-    let cfg = config(brokers(), &prefix(), spill.path()).validate().unwrap();
+    let cfg = config(brokers(), &prefix(), spill.path())
+        .validate()
+        .unwrap();
     let (log, handle) = RecordLog::start(cfg.clone()).await.unwrap();
     let mut sent = HashMap::new();
     for i in 0..500 {
@@ -98,12 +100,22 @@ async fn spills_while_broker_absent_and_replays_in_order_after_restart() {
     let ids: Vec<Uuid> = (0..300).map(|_| Uuid::now_v7()).collect();
 
     // First run: nothing listens on the broker port.
-    let dead = config(dead_brokers(), &prefix, spill.path()).validate().unwrap();
+    let dead = config(dead_brokers(), &prefix, spill.path())
+        .validate()
+        .unwrap();
     let (log, handle) = RecordLog::start(dead).await.unwrap();
     for (i, id) in ids[..200].iter().enumerate() {
-        handle.submit(Topic::Feedback, "k".into(), *id, Bytes::from(format!("{i}")));
+        handle.submit(
+            Topic::Feedback,
+            "k".into(),
+            *id,
+            Bytes::from(format!("{i}")),
+        );
     }
-    wait_for("200 spilled records", || handle.stats().spilled_records == 200).await;
+    wait_for("200 spilled records", || {
+        handle.stats().spilled_records == 200
+    })
+    .await;
     let report = log.shutdown(Duration::from_secs(2)).await;
     assert_eq!(report.left_in_spill, 200);
     assert_eq!(report.delivered_records, 0);
@@ -114,12 +126,20 @@ async fn spills_while_broker_absent_and_replays_in_order_after_restart() {
     let live = config(brokers(), &prefix, spill.path()).validate().unwrap();
     let (log, handle) = RecordLog::start(live.clone()).await.unwrap();
     for (i, id) in ids[200..].iter().enumerate() {
-        handle.submit(Topic::Feedback, "k".into(), *id, Bytes::from(format!("{}", 200 + i)));
+        handle.submit(
+            Topic::Feedback,
+            "k".into(),
+            *id,
+            Bytes::from(format!("{}", 200 + i)),
+        );
     }
     let got = read_ids(&live, Topic::Feedback, 300).await;
     let got_ids: Vec<Uuid> = got.iter().map(|(id, _, _)| *id).collect();
     assert_eq!(got_ids, ids, "replayed in submission order, nothing lost");
-    wait_for("spill drained", || handle.stats().spill_pending_records == 0).await;
+    wait_for("spill drained", || {
+        handle.stats().spill_pending_records == 0
+    })
+    .await;
     let stats = handle.stats();
     assert!(stats.replayed_records >= 200, "{stats:?}");
     assert_eq!(stats.spilled_bytes, 0, "delivered segments are deleted");
@@ -137,7 +157,12 @@ async fn full_spill_drops_are_counted() {
     let (log, handle) = RecordLog::start(cfg).await.unwrap();
     let payload = Bytes::from(vec![b'x'; 200]);
     for _ in 0..100 {
-        handle.submit(Topic::Interactions, "k".into(), Uuid::now_v7(), payload.clone());
+        handle.submit(
+            Topic::Interactions,
+            "k".into(),
+            Uuid::now_v7(),
+            payload.clone(),
+        );
     }
     wait_for("every record spilled or dropped", || {
         let s = handle.stats();
@@ -162,7 +187,12 @@ async fn channel_overflow_spills_and_still_delivers_everything() {
     let (log, handle) = RecordLog::start(cfg.clone()).await.unwrap();
     let ids: Vec<Uuid> = (0..2000).map(|_| Uuid::now_v7()).collect();
     for id in &ids {
-        handle.submit(Topic::Episodes, id.to_string(), *id, Bytes::from_static(b"{}"));
+        handle.submit(
+            Topic::Episodes,
+            id.to_string(),
+            *id,
+            Bytes::from_static(b"{}"),
+        );
     }
     assert!(
         handle.stats().spilled_records > 0,
