@@ -20,6 +20,9 @@ pub struct RawConfig {
     /// The interaction log: Kafka brokers, topics and the disk spill.
     #[serde(default)]
     pub log: hindsight_feedback::LogConfig,
+    /// The feedback API mounted at `/hindsight/v1/feedback` (signing, limits, idempotency).
+    #[serde(default)]
+    pub feedback: hindsight_feedback::FeedbackConfig,
 }
 
 /// `[proxy]` as written in the file.
@@ -62,6 +65,20 @@ pub struct RawProxySection {
     /// Capacity of the queue between request handling and the record encoder.
     #[serde(default = "default_capture_queue_capacity")]
     pub capture_queue_capacity: usize,
+    /// Serve the feedback API on the data port under `/hindsight/v1/feedback`.
+    #[serde(default = "default_true")]
+    pub feedback_api: bool,
+    /// Conversations remembered for inferring episodes of calls without
+    /// `x-hindsight-episode` (0 turns inference off: every such call starts an episode).
+    #[serde(default = "default_episode_inference_capacity")]
+    pub episode_inference_capacity: usize,
+}
+
+fn default_true() -> bool {
+    true
+}
+fn default_episode_inference_capacity() -> usize {
+    100_000
 }
 
 fn default_listen_addr() -> String {
@@ -112,6 +129,8 @@ impl Default for RawProxySection {
             capture_paths: default_capture_paths(),
             shutdown_grace_ms: default_shutdown_grace_ms(),
             capture_queue_capacity: default_capture_queue_capacity(),
+            feedback_api: true,
+            episode_inference_capacity: default_episode_inference_capacity(),
         }
     }
 }
@@ -131,6 +150,7 @@ pub struct ProxyConfig {
     pub capture_paths: Vec<String>,
     pub shutdown_grace: Duration,
     pub capture_queue_capacity: usize,
+    pub episode_inference_capacity: usize,
 }
 
 /// Where requests go.
@@ -147,6 +167,8 @@ pub struct Upstream {
 pub struct Config {
     pub proxy: ProxyConfig,
     pub log: hindsight_feedback::ValidatedLogConfig,
+    /// `None` when `proxy.feedback_api = false`.
+    pub feedback: Option<hindsight_feedback::ValidatedFeedbackConfig>,
 }
 
 impl RawConfig {
@@ -228,6 +250,21 @@ impl RawConfig {
             capture_paths: p.capture_paths,
             shutdown_grace: Duration::from_millis(p.shutdown_grace_ms),
             capture_queue_capacity: p.capture_queue_capacity,
+            episode_inference_capacity: p.episode_inference_capacity,
+        };
+        let feedback = if p.feedback_api {
+            Some(self.feedback.validate().map_err(|e| match e {
+                hindsight_feedback::FeedbackError::Config { key, reason } => ConfigError::Invalid {
+                    key: format!("feedback.{key}"),
+                    reason,
+                },
+                other => ConfigError::Invalid {
+                    key: "feedback".into(),
+                    reason: other.to_string(),
+                },
+            })?)
+        } else {
+            None
         };
         let log = self.log.validate().map_err(|e| match e {
             hindsight_feedback::LogError::Config { key, reason } => ConfigError::Invalid {
@@ -239,7 +276,11 @@ impl RawConfig {
                 reason: other.to_string(),
             },
         })?;
-        Ok(Config { proxy, log })
+        Ok(Config {
+            proxy,
+            log,
+            feedback,
+        })
     }
 }
 

@@ -16,29 +16,22 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tower::{ServiceBuilder, ServiceExt};
 
-use hindsight_feedback::RecordLog;
+use hindsight_feedback::{
+    feedback_router, EpisodeInference, EpisodeSource, FeedbackError, FeedbackState, RecordLog,
+};
+use serde_json::Value;
 
-use crate::capture::{spawn_encoder, CaptureLayer, CaptureShared, EpisodeResolver};
+use crate::capture::{spawn_encoder, CaptureLayer, CaptureShared, EpisodePerCall, EpisodeResolver};
 use crate::config::Config;
 use crate::error::{box_body_error, ProxyBody, ProxyError};
 use crate::forward::{ErrorToResponse, Forward};
 use crate::telemetry::{admin_router, prometheus, Readiness, TelemetryLayer};
 
-/// What the embedding process plugs into the proxy.
+/// What an embedding process may add to the proxy.
+#[derive(Default)]
 pub struct Extensions {
-    /// Episode inference for calls without `x-hindsight-episode`.
-    pub episodes: Arc<dyn EpisodeResolver>,
-    /// Hindsight's own endpoints served on the data port under `/hindsight/` (feedback API…).
+    /// Extra endpoints served on the data port under `/hindsight/` (beside the feedback API).
     pub hindsight_routes: Router,
-}
-
-impl Default for Extensions {
-    fn default() -> Self {
-        Self {
-            episodes: Arc::new(crate::capture::EpisodePerCall),
-            hindsight_routes: Router::new(),
-        }
-    }
 }
 
 /// What shutdown achieved, for the operator and for tests.
@@ -99,13 +92,22 @@ pub async fn run(
     admin: TcpListener,
     ext: Extensions,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<ShutdownReport, hindsight_feedback::LogError> {
+) -> Result<ShutdownReport, FeedbackError> {
     let _ = prometheus();
     let (log, handle) = RecordLog::start(config.log.clone()).await?;
+    let mut routes = ext.hindsight_routes;
+    if let Some(feedback) = config.feedback.clone() {
+        let state = FeedbackState::new(feedback, handle.clone())?;
+        routes = routes.merge(feedback_router(state));
+    }
+    let episodes: Arc<dyn EpisodeResolver> = match config.proxy.episode_inference_capacity {
+        0 => Arc::new(EpisodePerCall),
+        n => Arc::new(InferEpisodes(EpisodeInference::new(n))),
+    };
     let (encoder, encoder_task) = spawn_encoder(
         config.proxy.route.clone(),
         handle,
-        ext.episodes,
+        episodes,
         config.proxy.capture_queue_capacity,
     );
     let shared = CaptureShared {
@@ -114,7 +116,7 @@ pub async fn run(
         max_capture_response_bytes: config.proxy.max_capture_response_bytes,
         encoder,
     };
-    let service = stack(&config, shared, ext.hindsight_routes);
+    let service = stack(&config, shared, routes);
 
     let ready = Readiness::default();
     let admin_shutdown = tokio_util::sync::CancellationToken::new();
@@ -187,6 +189,28 @@ pub async fn run(
         connections_cut,
         log,
     })
+}
+
+/// Episode inference from the conversation itself: a call whose messages extend an earlier
+/// call's messages plus that call's answer continues its episode.
+struct InferEpisodes(EpisodeInference);
+
+impl EpisodeResolver for InferEpisodes {
+    fn resolve(&self, request: &Value, interaction_id: &uuid::Uuid) -> (String, EpisodeSource) {
+        match request.get("messages").and_then(Value::as_array) {
+            Some(messages) => self.0.infer(messages),
+            // Legacy completions carry no conversation to extend.
+            None => (interaction_id.to_string(), EpisodeSource::New),
+        }
+    }
+
+    fn remember(&self, request: &Value, response: &Value, episode_id: &str) {
+        let messages = request.get("messages").and_then(Value::as_array);
+        let answer = response.pointer("/choices/0/message");
+        if let (Some(messages), Some(answer)) = (messages, answer) {
+            self.0.remember(messages, answer, episode_id);
+        }
+    }
 }
 
 async fn hindsight_not_found(uri: http::Uri) -> Response<ProxyBody> {

@@ -469,3 +469,109 @@ async fn oversized_captured_request_gets_413_naming_the_key() {
         .contains("max_request_body_bytes"));
     proxy.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn episodes_are_inferred_from_the_conversation_without_headers() {
+    let up = start_mock_upstream().await;
+    let proxy = start_proxy(up, |_| {}).await;
+    let reader = proxy.reader();
+    let mut messages = vec![json!({"role": "user", "content": "order A-17 is late"})];
+    let mut ids = Vec::new();
+    for turn in 0..3 {
+        let resp: Value = {
+            let r = client()
+                .post(proxy.url("/v1/chat/completions"))
+                .json(
+                    &json!({"model": if turn == 0 { "tools" } else { "m" }, "messages": messages}),
+                )
+                .send()
+                .await
+                .unwrap();
+            ids.push(
+                r.headers()["x-hindsight-interaction-id"]
+                    .to_str()
+                    .unwrap()
+                    .to_string(),
+            );
+            r.json().await.unwrap()
+        };
+        let answer = resp["choices"][0]["message"].clone();
+        messages.push(answer.clone());
+        if turn == 0 {
+            messages.push(json!({"role": "tool", "tool_call_id": "call_abc", "content": "{\"status\": \"shipped\"}"}));
+        } else {
+            messages.push(json!({"role": "user", "content": format!("thanks {turn}")}));
+        }
+        // The next turn is only sent after this one's record was encoded in real agents too
+        // (they wait for the answer); give the encoder a moment on this loaded machine.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // An unrelated conversation starts its own episode.
+    client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": "unrelated"}]}))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let recs = read_interactions(&reader, 4, WAIT).await;
+    let by_id = |id: &str| {
+        recs.iter()
+            .find(|r| r.interaction_id.to_string() == id)
+            .unwrap()
+    };
+    let first = by_id(&ids[0]);
+    assert_eq!(first.episode_source, EpisodeSource::New);
+    for id in &ids[1..] {
+        let r = by_id(id);
+        assert_eq!(r.episode_source, EpisodeSource::Inferred);
+        assert_eq!(r.episode_id, first.episode_id);
+    }
+    let other = recs
+        .iter()
+        .find(|r| !ids.contains(&r.interaction_id.to_string()))
+        .unwrap();
+    assert_ne!(other.episode_id, first.episode_id);
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn feedback_api_is_mounted_on_the_data_port() {
+    let up = start_mock_upstream().await;
+    let proxy = start_proxy(up, |_| {}).await;
+    let r = client()
+        .post(proxy.url("/v1/chat/completions"))
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let id = r.headers()["x-hindsight-interaction-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    r.bytes().await.unwrap();
+    let fb = client()
+        .post(proxy.url("/hindsight/v1/feedback"))
+        .json(&json!({"interaction_id": id, "kind": "thumbs", "value": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(fb.status(), 202);
+    let v: Value = fb.json().await.unwrap();
+    assert!(v["feedback_id"].is_string());
+    let bad = client()
+        .post(proxy.url("/hindsight/v1/feedback"))
+        .json(&json!({"interaction_id": id, "kind": "thumbs", "value": "maybe"}))
+        .send()
+        .await
+        .unwrap();
+    assert!(bad.status().is_client_error(), "{}", bad.status());
+    let v: Value = bad.json().await.unwrap();
+    assert_eq!(
+        v["error"]["field"], "value",
+        "the rejection names the field: {v}"
+    );
+    proxy.stop().await;
+}

@@ -282,11 +282,17 @@ pub async fn read_interactions(
     let deadline = tokio::time::Instant::now() + timeout;
     let mut out: Vec<InteractionRecord> = Vec::new();
     while out.len() < want && tokio::time::Instant::now() < deadline {
-        if let Some(raw) = reader
-            .recv_timeout(Duration::from_millis(500))
-            .await
-            .unwrap()
-        {
+        // Transient client errors (a broker just restarted, a topic still being created) are
+        // retried until the deadline.
+        let raw = match reader.recv_timeout(Duration::from_millis(500)).await {
+            Ok(r) => r,
+            Err(e) => {
+                eprintln!("reader: {e}; retrying");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                None
+            }
+        };
+        if let Some(raw) = raw {
             let rec: InteractionRecord = raw.decode().unwrap();
             assert_eq!(
                 raw.key.as_deref(),
