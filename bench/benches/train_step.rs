@@ -1,11 +1,11 @@
-//! LoRA training-step and generation throughput of the default model (SmolLM2-135M-Instruct).
-//!
-//! `cargo bench -p hindsight-bench --bench train_step` (run deploy/fetch-model.sh first).
-//! Training: LoRA r=16, alpha=32 on q,k,v,o,gate,up,down, frozen base in f32, AdamW, batch
-//! 4 x 256 tokens, fused cross-entropy; median of `HINDSIGHT_BENCH_STEPS` (default 3) steps after
-//! one warm-up. Generation: single stream, greedy, 128 new tokens after the chat prompt, KV cache.
-//! Writes `target/hindsight-bench/train_step_candle.json`, which
-//! bench/python/torch_train_step.py reads to print the candle/PyTorch ratio.
+// LoRA training-step and generation throughput of the default model (SmolLM2-135M-Instruct).
+//
+// `cargo bench -p hindsight-bench --bench train_step` (run deploy/fetch-model.sh first).
+// Training: LoRA r=16, alpha=32 on q,k,v,o,gate,up,down, frozen base in f32, AdamW, batch
+// 4 x 256 tokens, fused cross-entropy; median of `HINDSIGHT_BENCH_STEPS` (default 3) steps after
+// one warm-up (0 = generation only). Generation: single stream, greedy, 128 new tokens after the chat prompt, KV cache.
+// Writes `target/hindsight-bench/train_step_candle.json`, which
+// bench/python/torch_train_step.py reads to print the candle/PyTorch ratio.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -79,24 +79,27 @@ fn main() -> Result<()> {
         opt.backward_step(&loss)?;
         Ok(loss.to_scalar::<f32>()?)
     };
-    let t0 = Instant::now();
-    let first_loss = step()?;
-    println!(
-        "warm-up step {:.3} s (loss {first_loss:.3})",
-        t0.elapsed().as_secs_f64()
-    );
     let mut times = Vec::new();
-    for _ in 0..steps {
+    let (mut train_s, mut train_tps) = (f64::NAN, f64::NAN);
+    if steps > 0 {
         let t0 = Instant::now();
-        step()?;
-        times.push(t0.elapsed().as_secs_f64());
-    }
-    let train_s = median(times.clone());
-    let train_tps = (BATCH * SEQ) as f64 / train_s;
-    println!(
-        "candle LoRA train step (SmolLM2-135M, r=16 all projections, {BATCH}x{SEQ} tokens): \
+        let first_loss = step()?;
+        println!(
+            "warm-up step {:.3} s (loss {first_loss:.3})",
+            t0.elapsed().as_secs_f64()
+        );
+        for _ in 0..steps {
+            let t0 = Instant::now();
+            step()?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        train_s = median(times.clone());
+        train_tps = (BATCH * SEQ) as f64 / train_s;
+        println!(
+            "candle LoRA train step (SmolLM2-135M, r=16 all projections, {BATCH}x{SEQ} tokens): \
          {train_s:.3} s median of {steps} ({train_tps:.0} tokens/s), steps {times:.3?}"
-    );
+        );
+    }
 
     let template = bundle
         .chat_template
@@ -133,6 +136,20 @@ fn main() -> Result<()> {
         out.len() as f64 / gen_lora_s
     );
 
+    let mut q8 = model.clone();
+    q8.quantize_for_inference(hindsight_learner::candle_core::quantized::GgmlDType::Q8_0)?;
+    let t0 = Instant::now();
+    let out_q = generate(
+        &q8,
+        &ids,
+        NEW_TOKENS,
+        &[],
+        &AdapterSelection::None,
+        &Sampling::greedy(),
+    )?;
+    let gen_q8_tps = out_q.len() as f64 / t0.elapsed().as_secs_f64();
+    println!("candle generation with Q8_0 inference weights: {gen_q8_tps:.1} tokens/s");
+
     let out_dir = workspace().join("target/hindsight-bench");
     std::fs::create_dir_all(&out_dir)?;
     let json = serde_json::json!({
@@ -141,9 +158,12 @@ fn main() -> Result<()> {
         "train_steps_s": times,
         "generation_tokens_per_s": gen_tps,
         "generation_lora_tokens_per_s": out.len() as f64 / gen_lora_s,
+        "generation_q8_0_tokens_per_s": gen_q8_tps,
         "batch": BATCH, "seq": SEQ, "rank": 16,
     });
-    std::fs::write(out_dir.join("train_step_candle.json"), json.to_string())?;
+    if steps > 0 {
+        std::fs::write(out_dir.join("train_step_candle.json"), json.to_string())?;
+    }
     println!(
         "wrote {}; now run python3 bench/python/torch_train_step.py for the ratio",
         out_dir.join("train_step_candle.json").display()

@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
 
 use crate::config::ModelConfig;
 use crate::error::{LearnerError, Result};
@@ -15,6 +16,24 @@ use crate::ops;
 pub(crate) struct Linear {
     pub(crate) w: Tensor,
     pub(crate) b: Option<Tensor>,
+    /// Quantized copy of `w` for inference (see [`Model::quantize_for_inference`]).
+    pub(crate) q: Option<QMatMul>,
+}
+
+impl Linear {
+    /// `x @ w^T + b`; the quantized copy serves inference when present.
+    fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
+        match (&self.q, train) {
+            (Some(q), false) => {
+                let y = q.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
+                Ok(match &self.b {
+                    Some(b) => y.broadcast_add(b)?,
+                    None => y,
+                })
+            }
+            _ => Ok(ops::frozen_linear(x, &self.w, self.b.as_ref())?),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -156,6 +175,7 @@ pub struct Model {
     pub(crate) layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Tensor,
+    lm_head_q: Option<QMatMul>,
     cos: Tensor,
     sin: Tensor,
     dtype: DType,
@@ -213,7 +233,7 @@ impl Model {
                 } else {
                     None
                 };
-                proj.push(Linear { w, b });
+                proj.push(Linear { w, b, q: None });
             }
             let proj: [Linear; 7] = proj
                 .try_into()
@@ -242,6 +262,7 @@ impl Model {
             layers,
             norm,
             lm_head,
+            lm_head_q: None,
             cos,
             sin,
             dtype,
@@ -396,7 +417,19 @@ impl Model {
                 }
                 None => None,
             };
-            x = self.layer_forward(layer, i, &x, b, t, &cos, &sin, mask.as_ref(), kv, &resolved)?;
+            x = self.layer_forward(
+                layer,
+                i,
+                &x,
+                b,
+                t,
+                &cos,
+                &sin,
+                mask.as_ref(),
+                kv,
+                &resolved,
+                train,
+            )?;
         }
         if let Some(c) = cache {
             c.valid = std::mem::take(&mut valid_rows);
@@ -407,7 +440,42 @@ impl Model {
 
     /// Logits (f32) for hidden states `[..., hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        Ok(ops::frozen_linear(hidden, &self.lm_head, None)?.to_dtype(DType::F32)?)
+        match &self.lm_head_q {
+            Some(q) if !hidden.track_op() => {
+                let d = hidden.dims().to_vec();
+                let x = hidden.reshape(((), self.cfg.hidden_size))?;
+                let y = q.forward(&x.to_dtype(DType::F32)?)?;
+                let mut out = d;
+                let last = out.len() - 1;
+                out[last] = self.cfg.vocab_size;
+                Ok(y.reshape(out)?)
+            }
+            _ => Ok(ops::frozen_linear(hidden, &self.lm_head, None)?.to_dtype(DType::F32)?),
+        }
+    }
+
+    /// Adds quantized copies (`dtype`, e.g. `GgmlDType::Q8_0`) of the projection and LM-head
+    /// weights, used by the inference paths ([`Model::forward`], [`Model::forward_last`], and
+    /// `hidden(.., train = false)`): decoding a single stream on a CPU is bound by reading the
+    /// weights, and Q8_0 reads a quarter of f32's bytes. Matrices whose input width is not a
+    /// multiple of the quantization block stay in f32. Training keeps the f32 weights and exact
+    /// gradients. Logits move slightly (Q8_0 rounding); merge adapters before quantizing.
+    pub fn quantize_for_inference(&mut self, dtype: GgmlDType) -> Result<()> {
+        // Rows must split into whole quantization blocks; other matrices stay in f32.
+        let quantize = |w: &Tensor| -> Result<Option<QMatMul>> {
+            if w.dim(1)? % dtype.block_size() != 0 {
+                return Ok(None);
+            }
+            let q = QTensor::quantize(&w.to_dtype(DType::F32)?, dtype)?;
+            Ok(Some(QMatMul::from_qtensor(q)?))
+        };
+        for layer in &mut self.layers {
+            for lin in layer.proj.iter_mut() {
+                lin.q = quantize(&lin.w)?;
+            }
+        }
+        self.lm_head_q = quantize(&self.lm_head)?;
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -423,13 +491,13 @@ impl Model {
         mask: Option<&Tensor>,
         kv: Option<&mut Option<(Tensor, Tensor)>>,
         adapters: &crate::lora::ResolvedAdapters,
+        train: bool,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let rep = nh / nkv;
         let lin = |t_: LoraTarget, inp: &Tensor| -> Result<Tensor> {
-            let p = layer.proj(t_);
-            let y = ops::frozen_linear(inp, &p.w, p.b.as_ref())?;
+            let y = layer.proj(t_).forward(inp, train)?;
             adapters.apply(index, t_, inp, y)
         };
         let h = ops::rms_norm(x, &layer.attn_norm, cfg.rms_norm_eps)?;
@@ -494,6 +562,8 @@ impl Model {
                 if let Some(delta) = adapter.delta_weight(i, t)? {
                     let lin = &mut layer.proj[t as usize];
                     lin.w = (&lin.w + delta.to_dtype(self.dtype)?.to_device(&self.device)?)?;
+                    // A quantized copy of the old weight would be stale.
+                    lin.q = None;
                 }
             }
         }

@@ -176,6 +176,9 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tenso
     )
 }
 
+/// Row count up to which [`frozen_linear`] uses the matrix-vector layout.
+const DECODE_ROWS: usize = 4;
+
 /// `x @ w^T (+ b)` for a frozen weight `w` of shape `[out, in]`: the backward computes only the
 /// gradient of `x` (`g @ w`), never the `[out, in]` gradient of the weight that candle's matmul
 /// backward would compute and throw away.
@@ -186,7 +189,13 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core:
         .ok_or_else(|| candle_core::Error::Msg("frozen_linear: scalar input".into()))?;
     let rows = x.elem_count() / in_dim.max(1);
     let x2 = x.reshape((rows, in_dim))?;
-    let mut out = x2.detach().matmul(&w.t()?)?;
+    // For a few rows (decoding), `W @ x^T` runs as dot products over W's contiguous rows;
+    // `x @ W^T` would hand gemm a transposed matrix-vector product, several times slower.
+    let mut out = if rows <= DECODE_ROWS {
+        w.matmul(&x2.detach().t()?)?.t()?.contiguous()?
+    } else {
+        x2.detach().matmul(&w.t()?)?
+    };
     if let Some(b) = b {
         out = out.broadcast_add(b)?;
     }

@@ -557,3 +557,30 @@ Tools:
     let no_tools = t.render(&messages, None, false).unwrap();
     assert!(!no_tools.contains("Tools:"));
 }
+
+#[test]
+fn q8_inference_stays_close_to_f32_and_training_ignores_it() {
+    use hindsight_learner::candle_core::quantized::GgmlDType;
+    let model = tiny_model(Architecture::Llama, DType::F32);
+    let mut q = model.clone();
+    q.quantize_for_inference(GgmlDType::Q8_0).unwrap();
+    let a = logits(&model, &[SEQ_A], &AdapterSelection::None);
+    let b = logits(&q, &[SEQ_A], &AdapterSelection::None);
+    let diff = max_abs_diff(&a, &b);
+    assert!(diff > 0.0, "the quantized path was not used");
+    let scale = max_abs_diff(&a, &a.zeros_like().unwrap());
+    assert!(
+        diff < 0.02 * scale,
+        "Q8_0 logits differ by {diff} (max |logit| {scale})"
+    );
+    // Training goes through the exact f32 weights.
+    let adapter = random_adapter("q", model.config(), 1);
+    let rows = vec![SEQ_A.to_vec()];
+    let l1 = batch_loss(&model, &adapter, &rows, true)
+        .to_scalar::<f32>()
+        .unwrap();
+    let l2 = batch_loss(&q, &adapter, &rows, true)
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(l1, l2);
+}
