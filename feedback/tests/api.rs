@@ -469,3 +469,55 @@ mod fuzz {
         });
     }
 }
+
+/// The example senders in examples/webhook sign the way the server verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn example_senders_are_accepted() {
+    let (log, handle, lcfg, _spill) = log().await;
+    let app = app(feedback_config(&["example-secret"]), handle);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/webhook");
+    let iid = Uuid::now_v7();
+    let mut ids = Vec::new();
+    for (prog, script, secret) in [
+        ("bash", "send.sh", "example-secret"),
+        ("python3", "send.py", "example-secret"),
+        ("bash", "send.sh", "wrong"),
+    ] {
+        let event =
+            json!({"interaction_id": iid, "kind": "comment", "value": format!("from {script}")})
+                .to_string();
+        let out = tokio::process::Command::new(prog)
+            .arg(dir.join(script))
+            .arg(&event)
+            .env("HINDSIGHT_URL", &url)
+            .env("HINDSIGHT_SECRET", secret)
+            .output()
+            .await
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        let mut lines = stdout.lines();
+        let answer: serde_json::Value =
+            serde_json::from_str(lines.next().unwrap_or("null")).unwrap();
+        let status = lines.next().unwrap_or("");
+        if secret == "wrong" {
+            assert_eq!(status, "401", "{stdout}");
+        } else {
+            assert_eq!(
+                status,
+                "202",
+                "{script}: {stdout} {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            ids.push(Uuid::parse_str(answer["feedback_id"].as_str().unwrap()).unwrap());
+        }
+    }
+    let got = read_until(&lcfg, Topic::Feedback, |r| {
+        ids.iter().all(|id| r.iter().any(|(g, _, _)| g == id))
+    })
+    .await;
+    assert!(got.len() >= 2);
+    log.shutdown(Duration::from_secs(10)).await;
+}
