@@ -165,6 +165,18 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
     if !(cfg.rate_per_s.is_finite() && cfg.rate_per_s > 0.0) {
         return Err(EnvError::Config("rate must be > 0".into()));
     }
+    for (name, rate) in [
+        ("tool failure rate", cfg.tool_failure_rate),
+        ("noise rate", cfg.user.noise_rate),
+        ("correction rate", cfg.user.correction_rate),
+        ("thanks rate", cfg.user.thanks_rate),
+    ] {
+        if !(0.0..=1.0).contains(&rate) {
+            return Err(EnvError::Config(format!(
+                "{name} must be in [0, 1], got {rate}"
+            )));
+        }
+    }
     if cfg.concurrency == 0 || cfg.max_turns == 0 {
         return Err(EnvError::Config(
             "concurrency and max turns must be >= 1".into(),
