@@ -84,7 +84,7 @@ struct RunArgs {
     #[arg(long)]
     agent: String,
     /// Model name sent.
-    #[arg(long, default_value = "default")]
+    #[arg(long, default_value = "base")]
     model: String,
     /// Episodes started per second.
     #[arg(long, default_value_t = 2.0)]
@@ -140,11 +140,11 @@ struct RunArgs {
 
 #[derive(Args)]
 struct BaselineArgs {
-    /// API base of the model (e.g. `hindsight serve`), e.g. http://127.0.0.1:8081/v1.
+    /// API base of the model (e.g. `hindsight serve`), e.g. http://127.0.0.1:8000/v1.
     #[arg(long)]
     endpoint: String,
     /// Model name.
-    #[arg(long, default_value = "default")]
+    #[arg(long, default_value = "base")]
     model: String,
     /// World seed.
     #[arg(long, default_value_t = 0)]

@@ -26,7 +26,7 @@ pub const CONFIRMATION: &str = "That decision is correct.";
 /// Settings of the baselines.
 #[derive(Debug, Clone)]
 pub struct BaselineConfig {
-    /// API base, e.g. `http://127.0.0.1:8081/v1` (`hindsight serve`).
+    /// API base, e.g. `http://127.0.0.1:8000/v1` (`hindsight serve`).
     pub endpoint: String,
     /// Model name.
     pub model: String,
