@@ -1,14 +1,27 @@
 //! `hindsight`: one binary, one subcommand per process role. Each subcommand parses its flags
 //! and calls into a library crate, where the behaviour (and its tests) live.
 
+use std::path::PathBuf;
+use std::time::Duration;
+
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use serde::Deserialize;
 
 #[derive(Debug, Parser)]
-#[command(name = "hindsight", version, about = "Online continual learning for deployed LLM agents.")]
+#[command(
+    name = "hindsight",
+    version,
+    about = "Online continual learning for deployed LLM agents."
+)]
 struct Cli {
     /// Log format: `text` for people, `json` for log pipelines. Filter with RUST_LOG.
-    #[arg(long, global = true, env = "HINDSIGHT_LOG_FORMAT", default_value = "text")]
+    #[arg(
+        long,
+        global = true,
+        env = "HINDSIGHT_LOG_FORMAT",
+        default_value = "text"
+    )]
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
@@ -22,8 +35,76 @@ enum LogFormat {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Transparent capturing proxy in front of an OpenAI-compatible endpoint.
+    /// Transparent capturing proxy in front of an OpenAI-compatible endpoint (also serves the
+    /// feedback API under /hindsight/v1/feedback).
     Proxy(hindsight_proxy::ProxyArgs),
+    /// The feedback API on its own (when it should not share the proxy's port).
+    Feedback(FeedbackArgs),
+    /// Join interactions with their feedback into training episodes (hindsight.episodes).
+    Join(JoinArgs),
+    /// Run an evaluation set against an OpenAI-compatible endpoint.
+    Eval(hindsight_eval::EvalArgs),
+    /// Print records of a Hindsight topic as JSON lines.
+    Tail(TailArgs),
+}
+
+/// `hindsight feedback`: config sections `[log]` and `[feedback]`.
+#[derive(Debug, clap::Args)]
+struct FeedbackArgs {
+    /// TOML config file with `[log]` and `[feedback]` sections (env: HINDSIGHT_LOG__*,
+    /// HINDSIGHT_FEEDBACK__*).
+    #[arg(long, short = 'c')]
+    config: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    listen: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FeedbackFile {
+    #[serde(default)]
+    log: hindsight_feedback::LogConfig,
+    #[serde(default)]
+    feedback: hindsight_feedback::FeedbackConfig,
+}
+
+/// `hindsight join`: config sections `[log]` and `[joiner]`.
+#[derive(Debug, clap::Args)]
+struct JoinArgs {
+    /// TOML config file with `[log]` and `[joiner]` sections (env: HINDSIGHT_LOG__*,
+    /// HINDSIGHT_JOINER__*).
+    #[arg(long, short = 'c')]
+    config: Option<PathBuf>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JoinFile {
+    #[serde(default)]
+    log: hindsight_feedback::LogConfig,
+    #[serde(default)]
+    joiner: hindsight_feedback::JoinerConfig,
+}
+
+/// `hindsight tail`.
+#[derive(Debug, clap::Args)]
+struct TailArgs {
+    /// Which topic: interactions, feedback, episodes or deadletter.
+    #[arg(value_parser = ["interactions", "feedback", "episodes", "deadletter"])]
+    topic: String,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    brokers: String,
+    /// Topic prefix (`<prefix>.interactions`, ...).
+    #[arg(long, default_value = "hindsight")]
+    topic_prefix: String,
+    /// Print only the last N records (0 = all).
+    #[arg(long, short = 'n', default_value_t = 0)]
+    last: usize,
+    /// Keep printing new records until interrupted.
+    #[arg(long, short = 'f')]
+    follow: bool,
 }
 
 fn init_tracing(format: LogFormat) {
@@ -78,11 +159,96 @@ async fn run_proxy(args: hindsight_proxy::ProxyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn run_feedback(args: FeedbackArgs) -> anyhow::Result<()> {
+    let file: FeedbackFile = hindsight_proxy::load_toml(
+        args.config.as_deref(),
+        std::env::vars(),
+        &["log", "feedback"],
+    )?;
+    let log = file.log.validate()?;
+    let feedback = file.feedback.validate()?;
+    let listener = tokio::net::TcpListener::bind(&args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let report =
+        hindsight_feedback::serve_feedback(feedback, log, listener, shutdown_signal()).await?;
+    tracing::info!(?report, "Bye.");
+    Ok(())
+}
+
+async fn run_join(args: JoinArgs) -> anyhow::Result<()> {
+    let file: JoinFile =
+        hindsight_proxy::load_toml(args.config.as_deref(), std::env::vars(), &["log", "joiner"])?;
+    let stats = hindsight_feedback::run_joiner(
+        file.joiner.validate()?,
+        file.log.validate()?,
+        shutdown_signal(),
+    )
+    .await?;
+    tracing::info!(?stats, "Joiner stopped.");
+    Ok(())
+}
+
+async fn run_tail(args: TailArgs) -> anyhow::Result<()> {
+    use hindsight_feedback::{LogConfig, Topic, TopicReader};
+    let topic = match args.topic.as_str() {
+        "interactions" => Topic::Interactions,
+        "feedback" => Topic::Feedback,
+        "episodes" => Topic::Episodes,
+        _ => Topic::DeadLetter,
+    };
+    let log = LogConfig {
+        brokers: args.brokers,
+        topic_prefix: args.topic_prefix,
+        ..LogConfig::default()
+    }
+    .validate()?;
+    // A fresh group reads the topic from its beginning and commits nothing.
+    let group = format!("hindsight-tail-{}", std::process::id());
+    let reader = TopicReader::new(&log, &group, &[topic])?;
+    let mut kept = std::collections::VecDeque::new();
+    let idle = Duration::from_secs(3);
+    loop {
+        match reader.recv_timeout(idle).await? {
+            Some(rec) => {
+                let line = String::from_utf8_lossy(&rec.payload).into_owned();
+                if args.last == 0 {
+                    println!("{line}");
+                } else {
+                    kept.push_back(line);
+                    if kept.len() > args.last {
+                        kept.pop_front();
+                    }
+                }
+            }
+            None if args.follow => {
+                for line in kept.drain(..) {
+                    println!("{line}");
+                }
+            }
+            None => break,
+        }
+    }
+    for line in kept {
+        println!("{line}");
+    }
+    Ok(())
+}
+
+async fn run_eval(args: hindsight_eval::EvalArgs) -> anyhow::Result<()> {
+    hindsight_eval::run_eval_cli(args).await?;
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     match cli.command {
         Command::Proxy(args) => run_proxy(args).await,
+        Command::Feedback(args) => run_feedback(args).await,
+        Command::Join(args) => run_join(args).await,
+        Command::Eval(args) => run_eval(args).await,
+        Command::Tail(args) => run_tail(args).await,
     }
 }

@@ -178,25 +178,7 @@ impl RawConfig {
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut table: toml::Table = match path {
-            Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
-                    path: p.display().to_string(),
-                    source,
-                })?;
-                toml::from_str(&text).map_err(|e| ConfigError::Parse {
-                    path: p.display().to_string(),
-                    message: e.to_string(),
-                })?
-            }
-            None => toml::Table::new(),
-        };
-        apply_env_overrides(&mut table, env)?;
-        let de = toml::Value::Table(table);
-        serde_path_to_error::deserialize(de).map_err(|e| ConfigError::Invalid {
-            key: e.path().to_string(),
-            reason: e.inner().to_string(),
-        })
+        load_toml(path, env, &["proxy", "log", "feedback"])
     }
 
     /// Validates into the typed config.
@@ -284,6 +266,35 @@ impl RawConfig {
     }
 }
 
+/// Reads any config type the way `hindsight` reads all of them: a TOML file (or nothing),
+/// then `HINDSIGHT_<SECTION>__<KEY>` environment overrides for the given `sections` (other
+/// processes' variables in the same environment are left alone), then serde with the path of
+/// any bad or unknown key in the error.
+pub fn load_toml<T: serde::de::DeserializeOwned>(
+    path: Option<&Path>,
+    env: impl IntoIterator<Item = (String, String)>,
+    sections: &[&str],
+) -> Result<T, ConfigError> {
+    let mut table: toml::Table = match path {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                path: p.display().to_string(),
+                source,
+            })?;
+            toml::from_str(&text).map_err(|e| ConfigError::Parse {
+                path: p.display().to_string(),
+                message: e.to_string(),
+            })?
+        }
+        None => toml::Table::new(),
+    };
+    apply_env_overrides(&mut table, env, sections)?;
+    serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Invalid {
+        key: e.path().to_string(),
+        reason: e.inner().to_string(),
+    })
+}
+
 fn parse_upstream(url: &str) -> Result<Upstream, ConfigError> {
     let bad = |reason: String| ConfigError::Invalid {
         key: "proxy.upstream_url".into(),
@@ -321,6 +332,7 @@ fn parse_upstream(url: &str) -> Result<Upstream, ConfigError> {
 fn apply_env_overrides(
     table: &mut toml::Table,
     env: impl IntoIterator<Item = (String, String)>,
+    sections: &[&str],
 ) -> Result<(), ConfigError> {
     for (name, raw) in env {
         let Some(rest) = name.strip_prefix("HINDSIGHT_") else {
@@ -330,6 +342,9 @@ fn apply_env_overrides(
             continue;
         };
         let section = section.to_ascii_lowercase();
+        if !sections.contains(&section.as_str()) {
+            continue;
+        }
         let key = key.to_ascii_lowercase();
         let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
             .ok()
@@ -365,6 +380,19 @@ mod tests {
         std::fs::write(&path, toml_text).unwrap();
         let env = env.iter().map(|(k, v)| (k.to_string(), v.to_string()));
         RawConfig::load(Some(&path), env)?.validate()
+    }
+
+    #[test]
+    fn example_config_file_is_valid() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/hindsight.example.toml"
+        );
+        let c = RawConfig::load(Some(Path::new(path)), Vec::new())
+            .unwrap()
+            .validate()
+            .unwrap();
+        assert_eq!(c.proxy.listen_addr.port(), 8080);
     }
 
     #[test]
