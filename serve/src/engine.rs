@@ -1,0 +1,458 @@
+//! The generation worker: one dedicated OS thread owns the model and runs every forward pass, so
+//! blocking candle work never touches the tokio runtime.
+//!
+//! Requests arrive through a bounded queue (full = the caller answers 429). The worker admits the
+//! waiting requests as a *group*: their prompts are left-padded into one batch with one KV cache
+//! and a per-row adapter selection, prefilled together and then decoded together, one token per
+//! row per step. Groups admitted later run alongside (the worker steps every group in turn), so a
+//! new request never waits for a long one to finish.
+
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
+use std::sync::Arc;
+
+use hindsight_learner::candle_core::{DType, Tensor};
+use hindsight_learner::tokenizers::Tokenizer;
+use hindsight_learner::{AdapterSelection, BatchLayout, KvCache, Model, PaddingSide};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::adapters::AdapterVersion;
+use crate::error::ServeError;
+use crate::grammar::{JsonState, Node};
+use crate::sampler::{allowed_by_grammar, pick, Pick, SamplingParams};
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// End-of-turn token, stop string, or the constrained document is complete.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The model or the constraint failed mid-way.
+    Error,
+}
+
+impl FinishReason {
+    /// OpenAI's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::Error => "error",
+        }
+    }
+}
+
+/// What the worker reports for a job, per choice index.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A sampled token and the text it makes visible (may be empty while held back).
+    Token {
+        /// Choice index.
+        index: usize,
+        /// The token and its behaviour log-prob.
+        pick: Pick,
+        /// Newly visible text.
+        delta: String,
+    },
+    /// The choice is finished.
+    Finished {
+        /// Choice index.
+        index: usize,
+        /// Why.
+        reason: FinishReason,
+    },
+}
+
+/// What a job asks for.
+#[derive(Debug, Clone)]
+pub struct JobParams {
+    /// Upper bound on new tokens per choice.
+    pub max_tokens: usize,
+    /// Sampling.
+    pub sampling: SamplingParams,
+    /// Base seed (choice `i` uses `seed + i`).
+    pub seed: u64,
+    /// Choices.
+    pub n: usize,
+    /// Stop strings (not included in the output).
+    pub stop: Vec<String>,
+    /// Grammar the output must follow.
+    pub grammar: Option<Node>,
+}
+
+/// One request for the worker.
+#[derive(Debug)]
+pub struct Job {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// The adapter version captured at request start (`None` = base model).
+    pub adapter: Option<Arc<AdapterVersion>>,
+    /// Parameters.
+    pub params: JobParams,
+    /// Where to report.
+    pub events: UnboundedSender<Event>,
+}
+
+/// Worker limits.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Requests that may wait in the queue.
+    pub queue_capacity: usize,
+    /// Most sequences decoded at once (over all groups).
+    pub max_active_sequences: usize,
+    /// Most sequences admitted into one group.
+    pub max_group_size: usize,
+}
+
+/// Handle to the generation worker.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    tx: SyncSender<Job>,
+}
+
+/// Per-token text for guided decoding, and the shared inference context.
+struct Ctx {
+    model: Arc<Model>,
+    tokenizer: Arc<Tokenizer>,
+    eos: Vec<u32>,
+    vocab: Arc<Vec<Option<String>>>,
+}
+
+/// Decoded text of every token that can appear inside a guided document.
+pub fn grammar_vocab(tokenizer: &Tokenizer, vocab_size: usize) -> Vec<Option<String>> {
+    let special: std::collections::HashSet<u32> = tokenizer
+        .get_added_tokens_decoder()
+        .iter()
+        .filter(|(_, t)| t.special)
+        .map(|(id, _)| *id)
+        .collect();
+    (0..vocab_size as u32)
+        .map(|id| {
+            if special.contains(&id) {
+                return None;
+            }
+            match tokenizer.decode(&[id], false) {
+                Ok(s) if !s.is_empty() && !s.contains('\u{FFFD}') => Some(s),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+impl Engine {
+    /// Starts the worker thread.
+    pub fn start(
+        model: Arc<Model>,
+        tokenizer: Arc<Tokenizer>,
+        eos: Vec<u32>,
+        cfg: EngineConfig,
+    ) -> Result<Self, ServeError> {
+        let vocab = Arc::new(grammar_vocab(&tokenizer, model.config().vocab_size));
+        let (tx, rx) = sync_channel(cfg.queue_capacity.max(1));
+        let ctx = Ctx {
+            model,
+            tokenizer,
+            eos,
+            vocab,
+        };
+        std::thread::Builder::new()
+            .name("hindsight-generate".into())
+            .spawn(move || worker(ctx, rx, cfg))?;
+        Ok(Self { tx })
+    }
+
+    /// Queues a job; refuses at once when the queue is full.
+    pub fn submit(&self, job: Job) -> Result<(), ServeError> {
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(ServeError::Overloaded { retry_after_s: 1 }),
+            Err(TrySendError::Disconnected(_)) => Err(ServeError::Unavailable),
+        }
+    }
+}
+
+/// One sequence in a group.
+struct Row {
+    events: UnboundedSender<Event>,
+    index: usize,
+    params: Arc<JobParams>,
+    rng: StdRng,
+    grammar: Option<JsonState>,
+    generated: Vec<u32>,
+    /// Bytes of decoded text already sent.
+    sent: usize,
+    /// Last input token (fed at the next step).
+    last: u32,
+    /// Position of the next token.
+    pos: usize,
+    done: bool,
+}
+
+struct Group {
+    rows: Vec<Row>,
+    adapters: Vec<Option<Arc<AdapterVersion>>>,
+    cache: KvCache,
+}
+
+impl Group {
+    fn active(&self) -> usize {
+        self.rows.iter().filter(|r| !r.done).count()
+    }
+}
+
+fn worker(ctx: Ctx, rx: Receiver<Job>, cfg: EngineConfig) {
+    let mut groups: Vec<Group> = Vec::new();
+    let mut waiting: std::collections::VecDeque<Job> = Default::default();
+    let mut open = true;
+    loop {
+        let active: usize = groups.iter().map(Group::active).sum();
+        if groups.is_empty() && waiting.is_empty() {
+            if !open {
+                return;
+            }
+            match rx.recv() {
+                Ok(j) => waiting.push_back(j),
+                Err(_) => return,
+            }
+        }
+        // Take what is queued, as long as it can be admitted soon.
+        let want = cfg.max_group_size.max(1);
+        while open && waiting.iter().map(|j| j.params.n).sum::<usize>() < want {
+            match rx.try_recv() {
+                Ok(j) => waiting.push_back(j),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => open = false,
+            }
+        }
+        let mut admitted = Vec::new();
+        let mut rows = 0;
+        while let Some(j) = waiting.front() {
+            let n = j.params.n;
+            let fits = active + rows + n <= cfg.max_active_sequences.max(1) && rows + n <= want;
+            if !(fits || (admitted.is_empty() && active == 0)) {
+                break;
+            }
+            rows += n;
+            if let Some(j) = waiting.pop_front() {
+                admitted.push(j);
+            }
+        }
+        if !admitted.is_empty() {
+            match prefill(&ctx, admitted) {
+                Ok(g) => groups.push(g),
+                Err(e) => tracing::error!(error = %e, "Prefill failed."),
+            }
+        }
+        for g in &mut groups {
+            if let Err(e) = decode_step(&ctx, g) {
+                tracing::error!(error = %e, "Decode step failed.");
+                for r in g.rows.iter_mut().filter(|r| !r.done) {
+                    finish(r, FinishReason::Error);
+                }
+            }
+        }
+        groups.retain(|g| g.active() > 0);
+    }
+}
+
+fn finish(row: &mut Row, reason: FinishReason) {
+    row.done = true;
+    let _ = row.events.send(Event::Finished {
+        index: row.index,
+        reason,
+    });
+}
+
+fn selection<'a>(adapters: &'a [Option<Arc<AdapterVersion>>]) -> AdapterSelection<'a> {
+    if adapters.iter().all(Option::is_none) {
+        return AdapterSelection::None;
+    }
+    if let Some(Some(first)) = adapters.first() {
+        if adapters
+            .iter()
+            .all(|a| a.as_ref().is_some_and(|a| Arc::ptr_eq(a, first)))
+        {
+            return AdapterSelection::All(&first.adapter);
+        }
+    }
+    AdapterSelection::PerSequence(
+        adapters
+            .iter()
+            .map(|a| a.as_ref().map(|v| &v.adapter))
+            .collect(),
+    )
+}
+
+fn prefill(ctx: &Ctx, jobs: Vec<Job>) -> Result<Group, ServeError> {
+    let mut rows = Vec::new();
+    let mut adapters = Vec::new();
+    let mut prompts: Vec<&[u32]> = Vec::new();
+    for job in &jobs {
+        let params = Arc::new(job.params.clone());
+        for i in 0..job.params.n {
+            rows.push(Row {
+                events: job.events.clone(),
+                index: i,
+                params: params.clone(),
+                rng: StdRng::seed_from_u64(job.params.seed.wrapping_add(i as u64)),
+                grammar: job.params.grammar.as_ref().map(JsonState::new),
+                generated: Vec::new(),
+                sent: 0,
+                last: 0,
+                pos: job.prompt.len(),
+                done: false,
+            });
+            adapters.push(job.adapter.clone());
+            prompts.push(&job.prompt);
+        }
+    }
+    let t = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
+    let lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+    let mut flat = Vec::with_capacity(prompts.len() * t);
+    for p in &prompts {
+        flat.extend(std::iter::repeat_n(0u32, t - p.len()));
+        flat.extend_from_slice(p);
+    }
+    let dev = ctx.model.device();
+    let input = Tensor::from_vec(flat, (prompts.len(), t), dev)
+        .map_err(hindsight_learner::LearnerError::from)?;
+    let layout = BatchLayout::padded(&lengths, t, PaddingSide::Left)?;
+    let mut group = Group {
+        rows,
+        adapters,
+        cache: KvCache::new(),
+    };
+    let logits = ctx.model.forward_last(
+        &input,
+        &layout,
+        Some(&mut group.cache),
+        &selection(&group.adapters),
+    );
+    match logits {
+        Ok(l) => sample_rows(ctx, &mut group, &l)?,
+        Err(e) => {
+            for r in &mut group.rows {
+                finish(r, FinishReason::Error);
+            }
+            return Err(e.into());
+        }
+    }
+    Ok(group)
+}
+
+fn decode_step(ctx: &Ctx, g: &mut Group) -> Result<(), ServeError> {
+    let b = g.rows.len();
+    let ids: Vec<u32> = g.rows.iter().map(|r| r.last).collect();
+    let positions: Vec<u32> = g.rows.iter().map(|r| r.pos as u32 - 1).collect();
+    let input = Tensor::from_vec(ids, (b, 1), ctx.model.device())
+        .map_err(hindsight_learner::LearnerError::from)?;
+    let layout = BatchLayout::new(b, 1, positions, vec![true; b])?;
+    let logits =
+        ctx.model
+            .forward_last(&input, &layout, Some(&mut g.cache), &selection(&g.adapters))?;
+    sample_rows(ctx, g, &logits)
+}
+
+/// Samples the next token of every live row from `logits` `[b, vocab]` and reports it.
+fn sample_rows(ctx: &Ctx, g: &mut Group, logits: &Tensor) -> Result<(), ServeError> {
+    let logits: Vec<Vec<f32>> = logits
+        .to_dtype(DType::F32)
+        .and_then(|l| l.to_vec2())
+        .map_err(hindsight_learner::LearnerError::from)?;
+    for (row, l) in g.rows.iter_mut().zip(&logits) {
+        if row.done {
+            continue;
+        }
+        // A disconnected client: stop spending compute on it.
+        if row.events.is_closed() {
+            row.done = true;
+            continue;
+        }
+        step_row(ctx, row, l);
+    }
+    Ok(())
+}
+
+fn step_row(ctx: &Ctx, row: &mut Row, logits: &[f32]) {
+    let p = &row.params;
+    let picked = match &row.grammar {
+        Some(state) => {
+            let allow = allowed_by_grammar(state, &ctx.vocab);
+            pick(logits, &p.sampling, Some(&allow), &mut row.rng)
+        }
+        None => pick(logits, &p.sampling, None, &mut row.rng),
+    };
+    let Some(picked) = picked else {
+        finish(row, FinishReason::Error);
+        return;
+    };
+    let id = picked.id;
+    row.generated.push(id);
+    row.last = id;
+    row.pos += 1;
+    let is_eos = row.grammar.is_none() && ctx.eos.contains(&id);
+    let mut grammar_done = false;
+    if let Some(state) = row.grammar.as_mut() {
+        let text = ctx
+            .vocab
+            .get(id as usize)
+            .cloned()
+            .flatten()
+            .unwrap_or_default();
+        if !state.feed_str(&text) {
+            // Cannot happen: the sampler only picks allowed tokens.
+            finish(row, FinishReason::Error);
+            return;
+        }
+        grammar_done = state.finished();
+    }
+    // Visible text: everything decoded so far, minus a held-back tail that might still become
+    // a stop string or is an incomplete UTF-8 sequence.
+    let text = hindsight_learner::decode(&ctx.tokenizer, &row.generated, true).unwrap_or_default();
+    let mut stop_at = None;
+    for s in &p.stop {
+        if s.is_empty() {
+            continue;
+        }
+        let from = row.sent.saturating_sub(s.len());
+        let from = (0..=from)
+            .rev()
+            .find(|&i| text.is_char_boundary(i))
+            .unwrap_or(0);
+        if let Some(i) = text[from..].find(s.as_str()) {
+            stop_at = Some(stop_at.map_or(from + i, |x: usize| x.min(from + i)));
+        }
+    }
+    let ending = is_eos || grammar_done || stop_at.is_some() || row.generated.len() >= p.max_tokens;
+    let mut end = stop_at.unwrap_or(text.len());
+    if !ending {
+        let hold = p
+            .stop
+            .iter()
+            .map(|s| s.len().saturating_sub(1))
+            .max()
+            .unwrap_or(0);
+        end = end.saturating_sub(hold);
+        while end > 0 && !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        if text[..end].ends_with('\u{FFFD}') {
+            end -= '\u{FFFD}'.len_utf8();
+        }
+    }
+    let end = end.max(row.sent);
+    let delta = text.get(row.sent..end).unwrap_or_default().to_string();
+    row.sent = end;
+    let _ = row.events.send(Event::Token {
+        index: row.index,
+        pick: picked,
+        delta,
+    });
+    if is_eos || grammar_done || stop_at.is_some() {
+        finish(row, FinishReason::Stop);
+    } else if row.generated.len() >= p.max_tokens {
+        finish(row, FinishReason::Length);
+    }
+}

@@ -1,0 +1,884 @@
+//! Guided JSON decoding: a JSON-schema subset compiled into a character-level pushdown automaton
+//! that says, for the text generated so far, which continuations can still become a valid
+//! document.
+//!
+//! The layout is fixed (`{"a": 1, "b": [1, 2]}`, the `json.dumps` style the model has seen most),
+//! so the model chooses values, never whitespace. Object properties come in schema order and are
+//! all emitted; enums and constants are literal alternatives; strings and numbers are small
+//! automata with length caps, so a document always closes within a bounded number of characters.
+
+use std::sync::Arc;
+
+use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde_json::Value;
+
+use crate::error::ServeError;
+
+/// JSON that keeps the order of object keys as written (schemas list properties in the order
+/// the output should have them; `serde_json::Value` sorts keys).
+#[derive(Debug, Clone, PartialEq)]
+pub enum OJson {
+    /// `null`.
+    Null,
+    /// A boolean.
+    Bool(bool),
+    /// A number.
+    Num(serde_json::Number),
+    /// A string.
+    Str(String),
+    /// An array.
+    Arr(Vec<OJson>),
+    /// An object, keys in document order.
+    Obj(Vec<(String, OJson)>),
+}
+
+impl OJson {
+    /// A member of an object.
+    pub fn get(&self, key: &str) -> Option<&OJson> {
+        match self {
+            OJson::Obj(m) => m.iter().find(|(k, _)| k == key).map(|(_, v)| v),
+            _ => None,
+        }
+    }
+    /// The string, if this is one.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            OJson::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+    /// The number as u64, if it is one.
+    pub fn as_u64(&self) -> Option<u64> {
+        match self {
+            OJson::Num(n) => n.as_u64(),
+            _ => None,
+        }
+    }
+    /// Converts to a `serde_json::Value` (key order is lost).
+    pub fn to_value(&self) -> Value {
+        match self {
+            OJson::Null => Value::Null,
+            OJson::Bool(b) => Value::Bool(*b),
+            OJson::Num(n) => Value::Number(n.clone()),
+            OJson::Str(s) => Value::String(s.clone()),
+            OJson::Arr(a) => Value::Array(a.iter().map(OJson::to_value).collect()),
+            OJson::Obj(m) => {
+                Value::Object(m.iter().map(|(k, v)| (k.clone(), v.to_value())).collect())
+            }
+        }
+    }
+    /// Compact JSON text, keys in document order.
+    pub fn to_json(&self) -> String {
+        match self {
+            OJson::Arr(a) => format!(
+                "[{}]",
+                a.iter().map(OJson::to_json).collect::<Vec<_>>().join(", ")
+            ),
+            OJson::Obj(m) => format!(
+                "{{{}}}",
+                m.iter()
+                    .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), v.to_json()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            other => other.to_value().to_string(),
+        }
+    }
+}
+
+impl From<&Value> for OJson {
+    fn from(v: &Value) -> Self {
+        match v {
+            Value::Null => OJson::Null,
+            Value::Bool(b) => OJson::Bool(*b),
+            Value::Number(n) => OJson::Num(n.clone()),
+            Value::String(s) => OJson::Str(s.clone()),
+            Value::Array(a) => OJson::Arr(a.iter().map(OJson::from).collect()),
+            Value::Object(m) => {
+                OJson::Obj(m.iter().map(|(k, v)| (k.clone(), OJson::from(v))).collect())
+            }
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for OJson {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = OJson;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("JSON")
+            }
+            fn visit_unit<E>(self) -> Result<OJson, E> {
+                Ok(OJson::Null)
+            }
+            fn visit_none<E>(self) -> Result<OJson, E> {
+                Ok(OJson::Null)
+            }
+            fn visit_bool<E>(self, b: bool) -> Result<OJson, E> {
+                Ok(OJson::Bool(b))
+            }
+            fn visit_i64<E>(self, n: i64) -> Result<OJson, E> {
+                Ok(OJson::Num(n.into()))
+            }
+            fn visit_u64<E>(self, n: u64) -> Result<OJson, E> {
+                Ok(OJson::Num(n.into()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, n: f64) -> Result<OJson, E> {
+                serde_json::Number::from_f64(n)
+                    .map(OJson::Num)
+                    .ok_or_else(|| E::custom("non-finite number"))
+            }
+            fn visit_str<E>(self, s: &str) -> Result<OJson, E> {
+                Ok(OJson::Str(s.to_string()))
+            }
+            fn visit_string<E>(self, s: String) -> Result<OJson, E> {
+                Ok(OJson::Str(s))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<OJson, A::Error> {
+                let mut v = Vec::new();
+                while let Some(x) = seq.next_element()? {
+                    v.push(x);
+                }
+                Ok(OJson::Arr(v))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<OJson, A::Error> {
+                let mut v = Vec::new();
+                while let Some((k, x)) = map.next_entry::<String, OJson>()? {
+                    v.push((k, x));
+                }
+                Ok(OJson::Obj(v))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Longest string value (characters) unless the schema's `maxLength` says otherwise.
+const DEFAULT_MAX_STRING_CHARS: usize = 200;
+/// Longest number literal (characters).
+const MAX_NUMBER_CHARS: usize = 20;
+/// Longest integer literal (characters): 15 digits and a sign stay exact in i64 and f64.
+const MAX_INTEGER_CHARS: usize = 16;
+/// Nesting allowed for free-form JSON (`json_object`, `{}` schemas).
+const ANY_DEPTH: usize = 4;
+/// Longest free-form object/array (members).
+const ANY_MAX_MEMBERS: usize = 16;
+
+/// A compiled schema node.
+#[derive(Debug, Clone)]
+pub enum Node {
+    /// A fixed sequence of literal text and values (objects compile to this).
+    Seq(Arc<Vec<SeqItem>>),
+    /// One of several literal JSON texts (enums, const, booleans, null).
+    Choice(Arc<Vec<Vec<char>>>),
+    /// A JSON string of at most this many characters.
+    Str(usize),
+    /// A JSON number; `true` = integer only.
+    Num(bool),
+    /// A JSON array of `item`, with `min..=max` elements.
+    Arr(Arc<Node>, usize, usize),
+    /// Any JSON value, at most this deep.
+    Any(usize),
+    /// Any JSON object, at most this deep.
+    AnyObject(usize),
+}
+
+/// An element of a [`Node::Seq`].
+#[derive(Debug, Clone)]
+pub enum SeqItem {
+    /// Text that must appear verbatim.
+    Lit(Arc<[char]>),
+    /// A value.
+    Value(Node),
+}
+
+fn lit(s: &str) -> SeqItem {
+    SeqItem::Lit(s.chars().collect::<Vec<_>>().into())
+}
+
+/// Compiles a JSON schema (the supported subset; see the crate README) into a [`Node`].
+pub fn compile_schema(schema: &OJson) -> Result<Node, ServeError> {
+    compile(schema, 0)
+}
+
+fn bad(msg: impl Into<String>) -> ServeError {
+    ServeError::invalid("response_format", msg)
+}
+
+fn compile(schema: &OJson, depth: usize) -> Result<Node, ServeError> {
+    if depth > 16 {
+        return Err(bad("schema nests deeper than 16 levels"));
+    }
+    let obj = match schema {
+        OJson::Bool(true) => return Ok(Node::Any(ANY_DEPTH)),
+        OJson::Obj(_) => schema,
+        _ => return Err(bad("a schema must be a JSON object")),
+    };
+    if let Some(values) = obj.get("enum") {
+        let values = match values {
+            OJson::Arr(a) if !a.is_empty() => a,
+            _ => return Err(bad("enum must be a non-empty array")),
+        };
+        return Ok(Node::Choice(Arc::new(
+            values
+                .iter()
+                .map(|v| v.to_json().chars().collect())
+                .collect(),
+        )));
+    }
+    if let Some(c) = obj.get("const") {
+        return Ok(Node::Choice(Arc::new(vec![c.to_json().chars().collect()])));
+    }
+    if let Some(alts) = obj.get("anyOf").or_else(|| obj.get("oneOf")) {
+        // Only the common `T | null` shape and unions of literals are supported.
+        let OJson::Arr(alts) = alts else {
+            return Err(bad("anyOf must be an array"));
+        };
+        let nodes = alts
+            .iter()
+            .map(|a| compile(a, depth + 1))
+            .collect::<Result<Vec<_>, _>>()?;
+        if nodes.len() == 1 {
+            return nodes.into_iter().next().ok_or_else(|| bad("empty anyOf"));
+        }
+        let mut lits = Vec::new();
+        for n in &nodes {
+            match n {
+                Node::Choice(c) => lits.extend(c.iter().cloned()),
+                _ => return Err(bad("anyOf is supported only over enums/consts/null")),
+            }
+        }
+        return Ok(Node::Choice(Arc::new(lits)));
+    }
+    let ty = match obj.get("type") {
+        None => {
+            if obj.get("properties").is_some() {
+                "object"
+            } else {
+                return Ok(Node::Any(ANY_DEPTH));
+            }
+        }
+        Some(OJson::Str(s)) => s.as_str(),
+        Some(OJson::Arr(a)) => {
+            // ["string", "null"] and the like: take the first non-null type.
+            a.iter()
+                .filter_map(OJson::as_str)
+                .find(|t| *t != "null")
+                .unwrap_or("null")
+        }
+        Some(_) => return Err(bad("type must be a string or an array of strings")),
+    };
+    let usize_field = |k: &str| obj.get(k).and_then(OJson::as_u64).map(|v| v as usize);
+    Ok(match ty {
+        "object" => match obj.get("properties") {
+            Some(OJson::Obj(props)) if !props.is_empty() => {
+                let mut items = Vec::with_capacity(props.len() * 2 + 1);
+                for (i, (name, sub)) in props.iter().enumerate() {
+                    let key = Value::String(name.clone()).to_string();
+                    let sep = if i == 0 { "{" } else { ", " };
+                    items.push(lit(&format!("{sep}{key}: ")));
+                    items.push(SeqItem::Value(compile(sub, depth + 1)?));
+                }
+                items.push(lit("}"));
+                Node::Seq(Arc::new(items))
+            }
+            _ => Node::AnyObject(ANY_DEPTH),
+        },
+        "array" => {
+            let item = match obj.get("items") {
+                Some(s) => compile(s, depth + 1)?,
+                None => Node::Any(ANY_DEPTH),
+            };
+            let min = usize_field("minItems").unwrap_or(0);
+            let max = usize_field("maxItems").unwrap_or(usize::MAX).max(min);
+            Node::Arr(Arc::new(item), min, max)
+        }
+        "string" => Node::Str(usize_field("maxLength").unwrap_or(DEFAULT_MAX_STRING_CHARS)),
+        "integer" => Node::Num(true),
+        "number" => Node::Num(false),
+        "boolean" => Node::Choice(Arc::new(vec![
+            "true".chars().collect(),
+            "false".chars().collect(),
+        ])),
+        "null" => Node::Choice(Arc::new(vec!["null".chars().collect()])),
+        other => return Err(bad(format!("unsupported type {other:?}"))),
+    })
+}
+
+/// A node followed by literal text (used for `<tool_call>` wrappers).
+pub fn wrapped(prefix: &str, node: Node, suffix: &str) -> Node {
+    Node::Seq(Arc::new(vec![
+        lit(prefix),
+        SeqItem::Value(node),
+        lit(suffix),
+    ]))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum StrPhase {
+    Open,
+    In,
+    Esc,
+    Uni(u8),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum ContPhase {
+    /// Expect the opening bracket.
+    Open,
+    /// After the opening bracket: a member or the close.
+    First,
+    /// A member value is being parsed (child frame on top).
+    Member,
+    /// After a member: `,` or the close.
+    After,
+    /// After `,`: expect the space.
+    Space,
+    /// After the space: a member.
+    Next,
+    /// Free-form object: key parsed, expect `: ` then the value.
+    Colon,
+    /// Free-form object: `: ` consumed, value next.
+    Value,
+}
+
+#[derive(Debug, Clone)]
+enum Frame {
+    Lit(Arc<[char]>, usize),
+    Choice(Arc<Vec<Vec<char>>>, String),
+    Str {
+        phase: StrPhase,
+        len: usize,
+        max: usize,
+    },
+    Num(String, bool),
+    Seq(Arc<Vec<SeqItem>>, usize),
+    Arr {
+        item: Arc<Node>,
+        count: usize,
+        min: usize,
+        max: usize,
+        phase: ContPhase,
+    },
+    AnyVal(usize),
+    AnyObj {
+        depth: usize,
+        count: usize,
+        phase: ContPhase,
+    },
+}
+
+enum Step {
+    /// Consumed; the frame needs more.
+    More,
+    /// Consumed and the frame is finished.
+    Done,
+    /// Not consumed: the frame was already complete; pop it and offer the char to the parent.
+    NotMine,
+    /// Push this child and offer it the char.
+    Push(Frame),
+    /// Replace this frame by another and offer it the char.
+    Become(Frame),
+    Reject,
+}
+
+fn frame_for(node: &Node) -> Frame {
+    match node {
+        Node::Seq(items) => Frame::Seq(items.clone(), 0),
+        Node::Choice(c) => Frame::Choice(c.clone(), String::new()),
+        Node::Str(max) => Frame::Str {
+            phase: StrPhase::Open,
+            len: 0,
+            max: *max,
+        },
+        Node::Num(int) => Frame::Num(String::new(), *int),
+        Node::Arr(item, min, max) => Frame::Arr {
+            item: item.clone(),
+            count: 0,
+            min: *min,
+            max: *max,
+            phase: ContPhase::Open,
+        },
+        Node::Any(d) => Frame::AnyVal(*d),
+        Node::AnyObject(d) => Frame::AnyObj {
+            depth: *d,
+            count: 0,
+            phase: ContPhase::Open,
+        },
+    }
+}
+
+/// Whether `s` is a prefix of a JSON number (`int` = integers only) and whether it is complete.
+fn number_state(s: &str, int: bool) -> Option<bool> {
+    let b = s.as_bytes();
+    let mut i = 0;
+    if b.get(i) == Some(&b'-') {
+        i += 1;
+    }
+    if i == b.len() {
+        return Some(false);
+    }
+    if b[i] == b'0' {
+        i += 1;
+    } else if b[i].is_ascii_digit() {
+        while i < b.len() && b[i].is_ascii_digit() {
+            i += 1;
+        }
+    } else {
+        return None;
+    }
+    if i == b.len() {
+        return Some(true);
+    }
+    if int {
+        return None;
+    }
+    if b[i] == b'.' {
+        i += 1;
+        let start = i;
+        while i < b.len() && b[i].is_ascii_digit() {
+            i += 1;
+        }
+        if i == b.len() {
+            return Some(i > start);
+        }
+        if i == start {
+            return None;
+        }
+    }
+    if b[i] == b'e' || b[i] == b'E' {
+        i += 1;
+        if i < b.len() && (b[i] == b'+' || b[i] == b'-') {
+            i += 1;
+        }
+        let start = i;
+        while i < b.len() && b[i].is_ascii_digit() {
+            i += 1;
+        }
+        // Two exponent digits at most: every accepted number fits an f64.
+        if i == b.len() && i - start <= 2 {
+            return Some(i > start);
+        }
+    }
+    None
+}
+
+impl Frame {
+    fn step(&mut self, c: char) -> Step {
+        match self {
+            Frame::Lit(chars, pos) => {
+                if chars.get(*pos) == Some(&c) {
+                    *pos += 1;
+                    if *pos == chars.len() {
+                        Step::Done
+                    } else {
+                        Step::More
+                    }
+                } else {
+                    Step::Reject
+                }
+            }
+            Frame::Choice(options, typed) => {
+                let complete = options.iter().any(|o| o.iter().copied().eq(typed.chars()));
+                typed.push(c);
+                let n = typed.chars().count();
+                let alive: Vec<&Vec<char>> = options
+                    .iter()
+                    .filter(|o| o.len() >= n && o[..n].iter().copied().eq(typed.chars()))
+                    .collect();
+                if alive.is_empty() {
+                    typed.pop();
+                    return if complete {
+                        Step::NotMine
+                    } else {
+                        Step::Reject
+                    };
+                }
+                if alive.len() == 1 && alive[0].len() == n {
+                    Step::Done
+                } else {
+                    Step::More
+                }
+            }
+            Frame::Str { phase, len, max } => match *phase {
+                StrPhase::Open => {
+                    if c == '"' {
+                        *phase = StrPhase::In;
+                        Step::More
+                    } else {
+                        Step::Reject
+                    }
+                }
+                StrPhase::In => match c {
+                    '"' => Step::Done,
+                    _ if *len >= *max => Step::Reject,
+                    '\\' => {
+                        *phase = StrPhase::Esc;
+                        Step::More
+                    }
+                    c if (c as u32) < 0x20 => Step::Reject,
+                    _ => {
+                        *len += 1;
+                        Step::More
+                    }
+                },
+                StrPhase::Esc => match c {
+                    '"' | '\\' | '/' | 'b' | 'f' | 'n' | 'r' | 't' => {
+                        *len += 1;
+                        *phase = StrPhase::In;
+                        Step::More
+                    }
+                    'u' => {
+                        *phase = StrPhase::Uni(0);
+                        Step::More
+                    }
+                    _ => Step::Reject,
+                },
+                StrPhase::Uni(k) => {
+                    if !c.is_ascii_hexdigit() {
+                        return Step::Reject;
+                    }
+                    if k == 3 {
+                        *len += 1;
+                        *phase = StrPhase::In;
+                    } else {
+                        *phase = StrPhase::Uni(k + 1);
+                    }
+                    Step::More
+                }
+            },
+            Frame::Num(text, int) => {
+                let complete = number_state(text, *int) == Some(true);
+                let cap = if *int {
+                    MAX_INTEGER_CHARS
+                } else {
+                    MAX_NUMBER_CHARS
+                };
+                if text.len() < cap {
+                    text.push(c);
+                    if number_state(text, *int).is_some() {
+                        return Step::More;
+                    }
+                    text.pop();
+                }
+                if complete {
+                    Step::NotMine
+                } else {
+                    Step::Reject
+                }
+            }
+            Frame::Seq(items, idx) => match items.get(*idx) {
+                Some(SeqItem::Lit(l)) => Step::Push(Frame::Lit(l.clone(), 0)),
+                Some(SeqItem::Value(n)) => Step::Push(frame_for(n)),
+                None => Step::Reject,
+            },
+            Frame::Arr {
+                item,
+                count,
+                min,
+                max,
+                phase,
+            } => match *phase {
+                ContPhase::Open => {
+                    if c == '[' {
+                        *phase = ContPhase::First;
+                        Step::More
+                    } else {
+                        Step::Reject
+                    }
+                }
+                ContPhase::First | ContPhase::After if c == ']' => {
+                    if *count >= *min {
+                        Step::Done
+                    } else {
+                        Step::Reject
+                    }
+                }
+                ContPhase::First | ContPhase::Next => {
+                    if *count >= *max {
+                        return Step::Reject;
+                    }
+                    *phase = ContPhase::Member;
+                    Step::Push(frame_for(item))
+                }
+                ContPhase::After => {
+                    if c == ',' && *count < *max {
+                        *phase = ContPhase::Space;
+                        Step::More
+                    } else {
+                        Step::Reject
+                    }
+                }
+                ContPhase::Space => {
+                    if c == ' ' {
+                        *phase = ContPhase::Next;
+                        Step::More
+                    } else {
+                        Step::Reject
+                    }
+                }
+                _ => Step::Reject,
+            },
+            Frame::AnyVal(depth) => match c {
+                '{' if *depth > 0 => Step::Become(Frame::AnyObj {
+                    depth: *depth,
+                    count: 0,
+                    phase: ContPhase::Open,
+                }),
+                '[' if *depth > 0 => Step::Become(Frame::Arr {
+                    item: Arc::new(Node::Any(*depth - 1)),
+                    count: 0,
+                    min: 0,
+                    max: ANY_MAX_MEMBERS,
+                    phase: ContPhase::Open,
+                }),
+                '"' => Step::Become(frame_for(&Node::Str(DEFAULT_MAX_STRING_CHARS))),
+                '-' | '0'..='9' => Step::Become(Frame::Num(String::new(), false)),
+                't' | 'f' | 'n' => Step::Become(Frame::Choice(
+                    Arc::new(vec![
+                        "true".chars().collect(),
+                        "false".chars().collect(),
+                        "null".chars().collect(),
+                    ]),
+                    String::new(),
+                )),
+                _ => Step::Reject,
+            },
+            Frame::AnyObj {
+                depth,
+                count,
+                phase,
+            } => match *phase {
+                ContPhase::Open => {
+                    if c == '{' {
+                        *phase = ContPhase::First;
+                        Step::More
+                    } else {
+                        Step::Reject
+                    }
+                }
+                ContPhase::First | ContPhase::After if c == '}' => Step::Done,
+                ContPhase::First | ContPhase::Next => {
+                    if *count >= ANY_MAX_MEMBERS {
+                        return Step::Reject;
+                    }
+                    *phase = ContPhase::Colon;
+                    Step::Push(frame_for(&Node::Str(64)))
+                }
+                ContPhase::Colon => {
+                    *phase = ContPhase::Value;
+                    Step::Push(Frame::Lit(": ".chars().collect::<Vec<_>>().into(), 0))
+                }
+                ContPhase::Value => {
+                    *phase = ContPhase::Member;
+                    Step::Push(Frame::AnyVal(depth.saturating_sub(1)))
+                }
+                ContPhase::After => {
+                    if c == ',' {
+                        *phase = ContPhase::Space;
+                        Step::More
+                    } else {
+                        Step::Reject
+                    }
+                }
+                ContPhase::Space => {
+                    if c == ' ' {
+                        *phase = ContPhase::Next;
+                        Step::More
+                    } else {
+                        Step::Reject
+                    }
+                }
+                ContPhase::Member => Step::Reject,
+            },
+        }
+    }
+
+    /// A child finished; returns whether this frame is finished too.
+    fn child_done(&mut self) -> bool {
+        match self {
+            Frame::Seq(items, idx) => {
+                *idx += 1;
+                *idx >= items.len()
+            }
+            Frame::Arr { count, phase, .. } => {
+                *count += 1;
+                *phase = ContPhase::After;
+                false
+            }
+            Frame::AnyObj { count, phase, .. } => {
+                match *phase {
+                    ContPhase::Member => {
+                        *count += 1;
+                        *phase = ContPhase::After;
+                    }
+                    // The key (phase already Colon) or the `: ` literal (phase already Value).
+                    _ => {}
+                }
+                false
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether the frame could end here (lazy frames: numbers, prefix-ambiguous choices).
+    fn complete(&self) -> bool {
+        match self {
+            Frame::Num(t, int) => number_state(t, *int) == Some(true),
+            Frame::Choice(options, typed) => {
+                options.iter().any(|o| o.iter().copied().eq(typed.chars()))
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The parse state of a partially generated document.
+#[derive(Debug, Clone)]
+pub struct JsonState {
+    stack: Vec<Frame>,
+}
+
+impl JsonState {
+    /// The start state for a compiled schema.
+    pub fn new(node: &Node) -> Self {
+        Self {
+            stack: vec![frame_for(node)],
+        }
+    }
+
+    /// Feeds one character; false when it cannot continue a valid document (state then undefined:
+    /// feed clones).
+    pub fn feed(&mut self, c: char) -> bool {
+        loop {
+            let Some(top) = self.stack.last_mut() else {
+                return false;
+            };
+            match top.step(c) {
+                Step::More => return true,
+                Step::Done => {
+                    self.pop_done();
+                    return true;
+                }
+                Step::NotMine => {
+                    self.pop_done();
+                }
+                Step::Push(f) => self.stack.push(f),
+                Step::Become(f) => *top = f,
+                Step::Reject => return false,
+            }
+        }
+    }
+
+    /// Pops the finished top frame and cascades completion to its parents.
+    fn pop_done(&mut self) {
+        self.stack.pop();
+        while let Some(parent) = self.stack.last_mut() {
+            if parent.child_done() {
+                self.stack.pop();
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// Feeds a whole string.
+    pub fn feed_str(&mut self, s: &str) -> bool {
+        s.chars().all(|c| self.feed(c))
+    }
+
+    /// Whether the document is complete (nothing more may follow).
+    pub fn finished(&self) -> bool {
+        self.stack.is_empty() || (self.stack.len() == 1 && self.stack[0].complete())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// Re-parses the text of `v` keeping key order (json! sorts keys).
+    fn ordered(v: &Value) -> OJson {
+        serde_json::from_str(&v.to_string()).unwrap()
+    }
+
+    #[test]
+    fn properties_follow_the_order_written_in_the_schema() {
+        let schema: OJson = serde_json::from_str(
+            r#"{"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "boolean"}}}"#,
+        )
+        .unwrap();
+        let mut s = JsonState::new(&compile_schema(&schema).unwrap());
+        assert!(s.feed_str(r#"{"zeta": 3, "alpha": true}"#) && s.finished());
+        let mut s = JsonState::new(&compile_schema(&schema).unwrap());
+        assert!(!s.feed_str(r#"{"alpha""#));
+    }
+
+    fn accepts(schema: &Value, text: &str) -> (bool, bool) {
+        let node = compile_schema(&ordered(schema)).unwrap();
+        let mut s = JsonState::new(&node);
+        let ok = s.feed_str(text);
+        (ok, ok && s.finished())
+    }
+
+    #[test]
+    fn object_with_enum_string_number_array() {
+        let schema: OJson = serde_json::from_str(
+            r#"{"type": "object", "properties": {
+            "color": {"enum": ["red", "green"]},
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "score": {"type": "number"},
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2}
+        }}"#,
+        )
+        .unwrap();
+        let run = |text: &str| {
+            let mut s = JsonState::new(&compile_schema(&schema).unwrap());
+            let ok = s.feed_str(text);
+            (ok, ok && s.finished())
+        };
+        let good = r#"{"color": "green", "name": "a\"b", "age": -12, "score": 1.5e3, "ok": false, "tags": ["x", "y"]}"#;
+        assert_eq!(run(good), (true, true));
+        serde_json::from_str::<Value>(good).unwrap();
+        assert!(!run(r#"{"color": "blue""#).0);
+        assert!(!run(r#"{"color": "red", "name": "x", "age": 1.5"#).0);
+        assert!(!run(r#"{"name""#).0, "properties come in schema order");
+        let three =
+            r#"{"color": "red", "name": "", "age": 0, "score": 0, "ok": true, "tags": ["a", "b", "#;
+        assert!(!run(three).0, "maxItems");
+        // A prefix is accepted but not finished.
+        assert_eq!(run(r#"{"color": "re"#), (true, false));
+    }
+
+    #[test]
+    fn free_form_object_and_numbers_end_lazily() {
+        let schema = json!({"type": "object"});
+        let text = r#"{"a": [1, {"b": null}], "c": "d", "e": 10}"#;
+        assert_eq!(accepts(&schema, text), (true, true));
+        assert!(!accepts(&schema, "[").0);
+        assert!(!accepts(&schema, r#"{"a": 01"#).0);
+        assert!(
+            !accepts(&schema, r#"{"a": 1e999"#).0,
+            "exponents stay within f64"
+        );
+        assert_eq!(accepts(&json!({"type": "integer"}), "12"), (true, true));
+    }
+
+    #[test]
+    fn strings_reject_raw_control_characters_and_respect_max_length() {
+        let s = json!({"type": "string", "maxLength": 3});
+        assert!(!accepts(&s, "\"a\nb").0);
+        assert_eq!(accepts(&s, "\"abc\""), (true, true));
+        assert!(!accepts(&s, "\"abcd").0);
+    }
+
+    #[test]
+    fn unsupported_schemas_are_client_errors() {
+        let e = compile_schema(&ordered(&json!({"type": "tuple"}))).unwrap_err();
+        assert_eq!(e.status(), axum::http::StatusCode::BAD_REQUEST);
+    }
+}

@@ -1,0 +1,142 @@
+//! The real default model (SmolLM2-135M-Instruct Q4_1): guided JSON with enums always parses,
+//! and the official `openai` Python client works against `run_serve` on a real socket.
+
+mod common;
+
+use std::sync::OnceLock;
+
+use common::*;
+use hindsight_serve::{app, run_serve, ServeArgs, ServeState};
+use serde_json::{json, Value};
+
+fn real_args() -> ServeArgs {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+    let model = default_model_path();
+    Cli::parse_from([
+        "x",
+        "--model",
+        model.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+    ])
+    .serve
+}
+
+fn real_state() -> ServeState {
+    static STATE: OnceLock<ServeState> = OnceLock::new();
+    STATE
+        .get_or_init(|| ServeState::load(&real_args().validate().unwrap()).unwrap())
+        .clone()
+}
+
+#[tokio::test]
+async fn json_schema_with_enums_always_parses_on_the_real_model() {
+    let app = app(real_state());
+    let schema = json!({"type": "object", "properties": {
+        "sentiment": {"type": "string", "enum": ["positive", "negative", "neutral"]},
+        "urgency": {"enum": ["low", "medium", "high"]},
+        "summary": {"type": "string", "maxLength": 60},
+        "needs_refund": {"type": "boolean"}
+    }, "required": ["sentiment", "urgency", "summary", "needs_refund"]});
+    let prompts = [
+        "My order arrived broken and nobody answers my emails. I want my money back now!",
+        "Thanks, the new app update is great.",
+        "What are your opening hours on Sunday?",
+    ];
+    let mut n = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        for seed in [1u64, 2] {
+            let temperature = if seed == 1 { 0.0 } else { 0.8 };
+            let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1",
+                "messages": [{"role": "system", "content": "Classify the customer message. Answer in JSON."},
+                             {"role": "user", "content": p}],
+                "temperature": temperature, "seed": seed + i as u64, "max_tokens": 120, "logprobs": true,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "ticket", "schema": schema}}});
+            let r = post(&app, "/v1/chat/completions", body).await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            let v = r.json();
+            let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+            let parsed: Value =
+                serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+            assert!(
+                ["positive", "negative", "neutral"]
+                    .contains(&parsed["sentiment"].as_str().unwrap()),
+                "{text}"
+            );
+            assert!(
+                ["low", "medium", "high"].contains(&parsed["urgency"].as_str().unwrap()),
+                "{text}"
+            );
+            assert!(parsed["summary"].as_str().unwrap().chars().count() <= 60);
+            assert!(parsed["needs_refund"].is_boolean());
+            assert_eq!(v["choices"][0]["finish_reason"], "stop");
+            n += 1;
+        }
+    }
+    assert_eq!(n, 6);
+}
+
+#[tokio::test]
+async fn openai_python_client_against_a_real_socket() {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    // The test setup installs the official client when it is missing.
+    let have = std::process::Command::new(&python)
+        .args(["-c", "import openai"])
+        .status()
+        .unwrap();
+    if !have.success() {
+        let st = std::process::Command::new(&python)
+            .args(["-m", "pip", "install", "--quiet", "openai"])
+            .status()
+            .unwrap();
+        assert!(st.success(), "pip install openai failed");
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(run_serve(
+        real_args().validate().unwrap(),
+        listener,
+        async {
+            let _ = rx.await;
+        },
+    ));
+    // Wait until the model is loaded and serving.
+    let client = reqwest::Client::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        if let Ok(r) = client.get(format!("http://{addr}/v1/models")).send().await {
+            if r.status().is_success() {
+                break;
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "server did not come up"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python/openai_client.py");
+    let out = tokio::process::Command::new(&python)
+        .arg(script)
+        .env("OPENAI_BASE_URL", format!("http://{addr}/v1"))
+        .env("OPENAI_API_KEY", "unused")
+        .env("HINDSIGHT_MODEL_NAME", "SmolLM2-135M-Instruct.Q4_1")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "python client failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("ALL OK"), "{stdout}");
+    let _ = tx.send(());
+    server.await.unwrap().unwrap();
+}
