@@ -27,6 +27,23 @@ fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// CPU seconds (user + system, all threads) this process has used: on a shared machine this
+/// is steadier than wall time. Linux only (NaN elsewhere).
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return f64::NAN;
+    };
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        f.get(i)
+            .and_then(|x| x.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    (ticks(11) + ticks(12)) / 100.0
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -80,7 +97,7 @@ fn main() -> Result<()> {
         Ok(loss.to_scalar::<f32>()?)
     };
     let mut times = Vec::new();
-    let (mut train_s, mut train_tps) = (f64::NAN, f64::NAN);
+    let (mut train_s, mut train_tps, mut train_cpu_s) = (f64::NAN, f64::NAN, f64::NAN);
     if steps > 0 {
         let t0 = Instant::now();
         let first_loss = step()?;
@@ -88,16 +105,21 @@ fn main() -> Result<()> {
             "warm-up step {:.3} s (loss {first_loss:.3})",
             t0.elapsed().as_secs_f64()
         );
+        let mut cpu = Vec::new();
         for _ in 0..steps {
             let t0 = Instant::now();
+            let c0 = cpu_seconds();
             step()?;
             times.push(t0.elapsed().as_secs_f64());
+            cpu.push(cpu_seconds() - c0);
         }
+        train_cpu_s = median(cpu.clone());
         train_s = median(times.clone());
         train_tps = (BATCH * SEQ) as f64 / train_s;
         println!(
             "candle LoRA train step (SmolLM2-135M, r=16 all projections, {BATCH}x{SEQ} tokens): \
-         {train_s:.3} s median of {steps} ({train_tps:.0} tokens/s), steps {times:.3?}"
+         {train_s:.3} s median of {steps} ({train_tps:.0} tokens/s), steps {times:.3?}; \
+         CPU time {train_cpu_s:.2} s per step"
         );
     }
 
@@ -156,6 +178,7 @@ fn main() -> Result<()> {
         "train_step_s": train_s,
         "train_tokens_per_s": train_tps,
         "train_steps_s": times,
+        "train_step_cpu_s": train_cpu_s,
         "generation_tokens_per_s": gen_tps,
         "generation_lora_tokens_per_s": out.len() as f64 / gen_lora_s,
         "generation_q8_0_tokens_per_s": gen_q8_tps,

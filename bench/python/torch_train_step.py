@@ -119,22 +119,27 @@ def main():
         return loss.item()
 
     step()  # warm-up
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     med = statistics.median(times)
+    med_cpu = statistics.median(cpu)
     tokens = BATCH * SEQ
     print(f"pytorch {torch.__version__} threads={torch.get_num_threads()} "
           f"trainable={sum(p.numel() for p in params)}")
     print(f"pytorch LoRA train step: {med:.3f} s median of {args.steps} "
-          f"({tokens / med:.0f} tokens/s), steps {[round(t, 3) for t in times]}")
+          f"({tokens / med:.0f} tokens/s), steps {[round(t, 3) for t in times]}; "
+          f"CPU time {med_cpu:.2f} s per step")
     if os.path.exists(args.candle_json):
         c = json.load(open(args.candle_json))
         ratio = c["train_step_s"] / med
         print(f"candle LoRA train step: {c['train_step_s']:.3f} s ({c['train_tokens_per_s']:.0f} tokens/s)")
-        print(f"ratio candle/pytorch step time: {ratio:.2f}x")
+        print(f"ratio candle/pytorch step time: {ratio:.2f}x (wall)")
+        if c.get("train_step_cpu_s"):
+            print(f"ratio candle/pytorch CPU time per step: {c['train_step_cpu_s'] / med_cpu:.2f}x")
     else:
         print(f"(no candle result at {args.candle_json}: run "
               f"`cargo bench -p hindsight-bench --bench train_step` first for the ratio)")
