@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use hindsight_bench::env::{
-    self, eval_items, render_table, run_baselines, run_env, BaselineConfig, EnvRunConfig,
-    FeedbackConfig, PromptOptions, Split, UserConfig, Variant, World,
+    self, eval_items, render_table, run_baselines, run_env, BaselineConfig, CritiqueStyle,
+    EnvRunConfig, FeedbackConfig, PromptOptions, Split, UserConfig, Variant, World,
 };
 use hindsight_eval::{to_jsonl, HindsightPlacement};
 
@@ -127,6 +127,9 @@ struct RunArgs {
     /// Share of wrong answers that also get a corrected answer.
     #[arg(long, default_value_t = 0.3)]
     correction_rate: f64,
+    /// How explicit the simulated user's critiques are.
+    #[arg(long, value_enum, default_value = "rule")]
+    critique_style: CritiqueStyle,
     /// Episode id prefix (default: bench-<ms>).
     #[arg(long)]
     run_id: Option<String>,
@@ -166,6 +169,12 @@ struct BaselineArgs {
     concurrency: usize,
     #[command(flatten)]
     prompt: PromptArgs,
+    /// How explicit the critiques in (c) are.
+    #[arg(long, value_enum, default_value = "rule")]
+    critique_style: CritiqueStyle,
+    /// Reuse runs (a) and (b) from an earlier `--out` report (same seed, tickets, samples).
+    #[arg(long)]
+    reuse: Option<PathBuf>,
     /// Hindsight placements for (c), comma separated.
     #[arg(
         long,
@@ -262,6 +271,7 @@ async fn main() -> anyhow::Result<()> {
             cfg.user = UserConfig {
                 noise_rate: a.noise_rate,
                 correction_rate: a.correction_rate,
+                critique_style: a.critique_style,
                 ..UserConfig::default()
             };
             if !a.no_feedback {
@@ -306,6 +316,14 @@ async fn main() -> anyhow::Result<()> {
                 variant: a.prompt.variant,
                 response_format: !a.prompt.no_response_format,
                 placements: a.hindsight.clone(),
+                critique_style: a.critique_style,
+                reuse: match &a.reuse {
+                    Some(path) => Some(serde_json::from_slice(
+                        &std::fs::read(path)
+                            .with_context(|| format!("reading {}", path.display()))?,
+                    )?),
+                    None => None,
+                },
                 timeout_ms: a.timeout_ms,
                 progress: !a.no_progress,
             };

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use hindsight_bench::env::{
-    eval_items, resolve, run_baselines, run_env, sign, BaselineConfig, EnvRunConfig,
+    eval_items, resolve, run_baselines, run_env, sign, BaselineConfig, CritiqueStyle, EnvRunConfig,
     FeedbackConfig, PromptOptions, Split, UserConfig, Variant, World, CONFIRMATION,
 };
 use hindsight_eval::{to_jsonl, HindsightPlacement};
@@ -196,6 +196,7 @@ fn run_config(base: &str, variant: Variant, failure_rate: f64) -> EnvRunConfig {
         noise_rate: 0.0,
         correction_rate: 0.5,
         thanks_rate: 0.0,
+        critique_style: CritiqueStyle::Rule,
     };
     cfg
 }
@@ -350,6 +351,8 @@ async fn baselines_run_all_variants() {
         variant: Variant::Single,
         response_format: true,
         placements: HindsightPlacement::ALL.to_vec(),
+        critique_style: CritiqueStyle::Rule,
+        reuse: None,
         timeout_ms: 30_000,
         progress: false,
     };

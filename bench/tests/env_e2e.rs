@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use hindsight_bench::env::{
-    run_env, EnvRunConfig, FeedbackConfig, PromptOptions, UserConfig, Variant,
+    run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, UserConfig, Variant,
 };
 use hindsight_feedback::{JoinerConfig, LogConfig, Secret, Topic, TopicReader};
 use hindsight_proxy::{Extensions, RawConfig};
@@ -131,6 +131,7 @@ async fn simulated_feedback_through_the_proxy_lands_joined_in_episodes() {
         noise_rate: 0.0,
         correction_rate: 0.5,
         thanks_rate: 0.0,
+        critique_style: CritiqueStyle::RuleAndValue,
     };
     let summary = run_env(cfg).await.unwrap();
     assert_eq!(summary.failed, 0);

@@ -17,7 +17,7 @@ use super::evalset::eval_items;
 use super::prompt::{PromptOptions, Variant};
 use super::rng::Rng;
 use super::sop::resolve;
-use super::user::critique;
+use super::user::{critique, CritiqueStyle};
 use super::world::{Split, World};
 
 /// Feedback text used when the first answer was already right.
@@ -48,6 +48,11 @@ pub struct BaselineConfig {
     pub variant: Variant,
     /// Use response_format (bare JSON) or `<final_output>` tags.
     pub response_format: bool,
+    /// How explicit the critiques are.
+    pub critique_style: CritiqueStyle,
+    /// An earlier report whose runs (a) and (b) are reused when seed, tickets, samples and
+    /// the eval set match (to iterate on hindsight prompts without re-running them).
+    pub reuse: Option<BaselineReport>,
     /// Hindsight placements to measure.
     pub placements: Vec<HindsightPlacement>,
     /// Request timeout, ms.
@@ -136,6 +141,7 @@ pub fn hindsight_items(
     sample: usize,
     placement: HindsightPlacement,
     response_format: bool,
+    style: CritiqueStyle,
 ) -> Vec<EvalItem> {
     let tickets = world.tickets(Split::Eval, base_items.len());
     base_items
@@ -148,7 +154,8 @@ pub fn hindsight_items(
                 .get(sample)
                 .and_then(|s| s.content.clone())
                 .unwrap_or_default();
-            let feedback = feedback_for(world, ticket, &answer_text, response_format, sample);
+            let feedback =
+                feedback_for(world, ticket, &answer_text, response_format, sample, style);
             let mut h = item.clone();
             h.messages = hindsight_messages(placement, &item.messages, &answer_text, &feedback);
             h
@@ -163,6 +170,7 @@ pub fn feedback_for(
     answer_text: &str,
     response_format: bool,
     sample: usize,
+    style: CritiqueStyle,
 ) -> String {
     let resolution = resolve(ticket);
     let parsed = extract_json_answer(answer_text, response_format).ok();
@@ -175,7 +183,14 @@ pub fn feedback_for(
         "baseline-critique",
         ticket.index * 64 + sample as u64,
     );
-    critique(&mut rng, ticket, &resolution, &broken, parsed.is_none())
+    critique(
+        &mut rng,
+        ticket,
+        &resolution,
+        &broken,
+        parsed.is_none(),
+        style,
+    )
 }
 
 /// Runs (a), (b) and (c) and returns the table.
@@ -204,25 +219,60 @@ pub async fn run_baselines(cfg: &BaselineConfig) -> Result<BaselineReport, EnvEr
     let mut runs = Vec::new();
 
     let set_a = EvalSet::from_items(format!("env-eval-seed{}", cfg.seed), base_items.clone())?;
-    let a = evaluate(&set_a, &run_config(cfg, cfg.samples, 0)).await?;
-    rows.push(row("(a) as deployed", a.metrics.clone(), cfg.samples));
-
-    let set_b = EvalSet::from_items(format!("env-eval-rules-seed{}", cfg.seed), rules_items)?;
-    let b = evaluate(&set_b, &run_config(cfg, cfg.samples, 0)).await?;
-    rows.push(row(
-        "(b) rules in system prompt",
-        b.metrics.clone(),
-        cfg.samples,
-    ));
-    runs.push(b);
+    let reused = cfg.reuse.as_ref().filter(|r| {
+        r.seed == cfg.seed
+            && r.tickets == cfg.tickets
+            && r.samples == cfg.samples
+            && r.runs.len() >= 2
+            && r.runs[0].set.sha256 == set_a.sha256
+    });
+    let a = match reused {
+        Some(r) => {
+            tracing::info!("Reusing runs (a) and (b) from the earlier report.");
+            let b = r.runs[1].clone();
+            rows.push(row(
+                "(a) as deployed",
+                r.runs[0].metrics.clone(),
+                cfg.samples,
+            ));
+            rows.push(row(
+                "(b) rules in system prompt",
+                b.metrics.clone(),
+                cfg.samples,
+            ));
+            runs.push(b);
+            r.runs[0].clone()
+        }
+        None => {
+            let a = evaluate(&set_a, &run_config(cfg, cfg.samples, 0)).await?;
+            rows.push(row("(a) as deployed", a.metrics.clone(), cfg.samples));
+            let set_b =
+                EvalSet::from_items(format!("env-eval-rules-seed{}", cfg.seed), rules_items)?;
+            let b = evaluate(&set_b, &run_config(cfg, cfg.samples, 0)).await?;
+            rows.push(row(
+                "(b) rules in system prompt",
+                b.metrics.clone(),
+                cfg.samples,
+            ));
+            runs.push(b);
+            a
+        }
+    };
 
     for placement in &cfg.placements {
         // Sample s of (c) continues sample s of (a), with seed + s like (a)'s sample s.
         let mut per_ticket: Vec<Vec<SampleOutcome>> = vec![Vec::new(); base_items.len()];
         let mut last = None;
         for s in 0..cfg.samples {
-            let items =
-                hindsight_items(&world, &base_items, &a, s, *placement, cfg.response_format);
+            let items = hindsight_items(
+                &world,
+                &base_items,
+                &a,
+                s,
+                *placement,
+                cfg.response_format,
+                cfg.critique_style,
+            );
             let set =
                 EvalSet::from_items(format!("env-hindsight-{}-s{s}", placement.as_str()), items)?;
             let run = evaluate(&set, &run_config(cfg, 1, s as u64)).await?;

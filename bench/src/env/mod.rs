@@ -31,6 +31,6 @@ pub use sop::{
     resolve, rules_text, Decision, Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES,
 };
 pub use tools::{lookup, ToolBox};
-pub use user::{critique, react, rule_phrase, Reaction, UserConfig};
+pub use user::{critique, react, rule_phrase, value_phrase, CritiqueStyle, Reaction, UserConfig};
 pub use webhook::{feedback_events, sign, FeedbackSender, Target, BATCH_PATH};
 pub use world::{Customer, IssueKind, Order, Split, Ticket, Tier, World};

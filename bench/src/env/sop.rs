@@ -81,6 +81,26 @@ impl Rule {
         )
     }
 
+    /// The decision field this rule decides (`refund` covers `refund_amount` too).
+    pub fn field(self) -> &'static str {
+        match self {
+            Rule::BillingErrorsToBilling | Rule::OldOrdersToRetention | Rule::DepartmentByIssue => {
+                "department"
+            }
+            Rule::DuplicateChargeRefunded
+            | Rule::FinalSaleNoRefund
+            | Rule::OldOrdersNoRefund
+            | Rule::TroubleshootFirst
+            | Rule::FullRefund
+            | Rule::RestockingFee => "refund",
+            Rule::EscalationUrgent
+            | Rule::GoldHigh
+            | Rule::HighValueHigh
+            | Rule::ChangeOfMindLow
+            | Rule::NormalPriority => "priority",
+        }
+    }
+
     /// The SOP sentence (used for baseline (b), rules in the system prompt).
     pub fn sop_text(self) -> &'static str {
         match self {

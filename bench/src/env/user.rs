@@ -10,6 +10,19 @@ use super::rng::Rng;
 use super::sop::{Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES};
 use super::world::Ticket;
 
+/// How explicit a critique is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+#[value(rename_all = "kebab-case")]
+pub enum CritiqueStyle {
+    /// Names the broken rule only ("gold members always get high priority").
+    #[default]
+    Rule,
+    /// Names the broken rule and the value it implies for that field ("… so priority should
+    /// be high"); still never the whole answer (fields that were right are not mentioned).
+    RuleAndValue,
+}
+
 /// How the simulated user behaves.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -23,6 +36,9 @@ pub struct UserConfig {
     /// Share of right answers that get a short thank-you comment besides the thumbs up.
     #[serde(default = "default_thanks_rate")]
     pub thanks_rate: f64,
+    /// How explicit critiques are.
+    #[serde(default)]
+    pub critique_style: CritiqueStyle,
 }
 
 fn default_noise_rate() -> f64 {
@@ -41,6 +57,7 @@ impl Default for UserConfig {
             noise_rate: default_noise_rate(),
             correction_rate: default_correction_rate(),
             thanks_rate: default_thanks_rate(),
+            critique_style: CritiqueStyle::Rule,
         }
     }
 }
@@ -52,6 +69,7 @@ impl UserConfig {
             noise_rate: 0.0,
             correction_rate: 0.0,
             thanks_rate: 0.0,
+            critique_style: CritiqueStyle::Rule,
         }
     }
 }
@@ -110,6 +128,7 @@ pub fn react(
                 resolution,
                 &broken,
                 answer.is_none(),
+                cfg.critique_style,
             ));
             if rng.chance(cfg.correction_rate) {
                 reaction.correction = Some(resolution.decision.to_json());
@@ -128,7 +147,15 @@ pub fn react(
                 .filter(|r| r.is_hidden() && !decided.contains(r))
                 .collect();
             let rule = rng.pick(&candidates).copied().unwrap_or(Rule::GoldHigh);
-            reaction.comment = Some(critique(&mut rng, ticket, resolution, &[rule], false));
+            // A misleading critique never states a value: it only blames a rule.
+            reaction.comment = Some(critique(
+                &mut rng,
+                ticket,
+                resolution,
+                &[rule],
+                false,
+                CritiqueStyle::Rule,
+            ));
             if rng.chance(cfg.correction_rate) {
                 reaction.correction = Some(perturbed(&mut rng, resolution));
             }
@@ -167,6 +194,7 @@ pub fn critique(
     resolution: &Resolution,
     broken: &[Rule],
     unparseable: bool,
+    style: CritiqueStyle,
 ) -> String {
     let mut parts: Vec<String> = Vec::new();
     let opener = rng.pick_str(OPENERS);
@@ -184,6 +212,9 @@ pub fn critique(
     } else {
         for rule in broken {
             parts.push(rule_phrase(rng, *rule, ticket, resolution));
+            if style == CritiqueStyle::RuleAndValue {
+                parts.push(value_phrase(rng, *rule, resolution));
+            }
         }
     }
     parts.join(" ")
@@ -263,6 +294,40 @@ pub fn rule_phrase(rng: &mut Rng, rule: Rule, ticket: &Ticket, _resolution: &Res
     rng.pick(&options).cloned().unwrap_or_default()
 }
 
+/// The value a rule implies for its field, in words.
+pub fn value_phrase(rng: &mut Rng, rule: Rule, resolution: &Resolution) -> String {
+    let d = &resolution.decision;
+    match rule.field() {
+        "department" => {
+            let options = [
+                format!("So the department is {}.", d.department),
+                format!("It has to go to {}.", d.department),
+            ];
+            rng.pick(&options).cloned().unwrap_or_default()
+        }
+        "priority" => {
+            let options = [
+                format!("So priority should be {}.", d.priority),
+                format!("That makes it {} priority.", d.priority),
+            ];
+            rng.pick(&options).cloned().unwrap_or_default()
+        }
+        _ if d.refund => {
+            let options = [
+                format!("So refund: yes, ${:.2}.", d.refund_amount),
+                format!("The refund amount should be {:.2}.", d.refund_amount),
+            ];
+            rng.pick(&options).cloned().unwrap_or_default()
+        }
+        _ => rng
+            .pick_str(&[
+                "So: no refund, amount 0.",
+                "Refund should be false and the amount 0.",
+            ])
+            .to_string(),
+    }
+}
+
 fn perturbed(rng: &mut Rng, resolution: &Resolution) -> Value {
     let mut v = resolution.decision.to_json();
     match rng.range(0, 2) {
@@ -319,12 +384,35 @@ mod tests {
     }
 
     #[test]
+    fn rule_and_value_critiques_state_only_the_broken_field() {
+        let w = World::new(12);
+        let cfg = UserConfig {
+            critique_style: CritiqueStyle::RuleAndValue,
+            ..UserConfig::truthful_critic()
+        };
+        for (e, t) in w.tickets(Split::Train, 100).iter().enumerate() {
+            let r = resolve(t);
+            let mut wrong = r.decision.to_json().as_object().unwrap().clone();
+            wrong.insert("department".into(), json!("nowhere"));
+            let text = react(&cfg, 1, e as u64, t, &r, Some(&wrong))
+                .comment
+                .unwrap();
+            assert!(text.contains(&r.decision.department), "{text}");
+            assert!(
+                !text.contains("priority should") && !text.contains("refund amount should"),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
     fn noise_and_corrections_follow_their_rates() {
         let w = World::new(4);
         let cfg = UserConfig {
             noise_rate: 0.2,
             correction_rate: 0.5,
             thanks_rate: 0.0,
+            critique_style: CritiqueStyle::Rule,
         };
         let tickets = w.tickets(Split::Train, 500);
         let mut noisy = 0;
