@@ -177,10 +177,10 @@ impl ModelConfig {
         if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_layers == 0 {
             return bad("heads and layers must be positive");
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad("num_heads must be a multiple of num_kv_heads");
         }
-        if self.head_dim % 2 != 0 || self.head_dim == 0 {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim == 0 {
             return bad("head_dim must be even and positive");
         }
         if self.vocab_size == 0 || self.hidden_size == 0 || self.intermediate_size == 0 {

@@ -1,5 +1,5 @@
 //! Helpers shared by the integration tests: tiny tokenizers and models, the real model's path.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::PathBuf;
 
