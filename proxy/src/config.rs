@@ -72,6 +72,11 @@ pub struct RawProxySection {
     /// `x-hindsight-episode` (0 turns inference off: every such call starts an episode).
     #[serde(default = "default_episode_inference_capacity")]
     pub episode_inference_capacity: usize,
+    /// Ask the upstream for behaviour log-probs (`x-hindsight-behaviour: 1`) on captured calls
+    /// whose client did not request log-probs, record them, and strip them from the response
+    /// the client gets. `hindsight serve` honours the header; other upstreams ignore it.
+    #[serde(default = "default_true")]
+    pub request_behaviour: bool,
 }
 
 fn default_true() -> bool {
@@ -131,6 +136,7 @@ impl Default for RawProxySection {
             capture_queue_capacity: default_capture_queue_capacity(),
             feedback_api: true,
             episode_inference_capacity: default_episode_inference_capacity(),
+            request_behaviour: true,
         }
     }
 }
@@ -151,6 +157,7 @@ pub struct ProxyConfig {
     pub shutdown_grace: Duration,
     pub capture_queue_capacity: usize,
     pub episode_inference_capacity: usize,
+    pub request_behaviour: bool,
 }
 
 /// Where requests go.
@@ -233,6 +240,7 @@ impl RawConfig {
             shutdown_grace: Duration::from_millis(p.shutdown_grace_ms),
             capture_queue_capacity: p.capture_queue_capacity,
             episode_inference_capacity: p.episode_inference_capacity,
+            request_behaviour: p.request_behaviour,
         };
         let feedback = if p.feedback_api {
             Some(self.feedback.validate().map_err(|e| match e {

@@ -115,6 +115,7 @@ pub async fn run(
         max_request_body_bytes: config.proxy.max_request_body_bytes,
         max_capture_response_bytes: config.proxy.max_capture_response_bytes,
         encoder,
+        request_behaviour: config.proxy.request_behaviour,
     };
     let service = stack(&config, shared, routes);
 

@@ -575,3 +575,61 @@ async fn feedback_api_is_mounted_on_the_data_port() {
     );
     proxy.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behaviour_logprobs_are_requested_recorded_and_hidden_from_the_client() {
+    let up = start_mock_upstream().await;
+    let proxy = start_proxy(up, |_| {}).await;
+    let reader = proxy.reader();
+    for stream in [false, true] {
+        let req = json!({"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]});
+        let direct = client()
+            .post(format!("http://{up}/v1/chat/completions"))
+            .json(&req)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let via = client()
+            .post(proxy.url("/v1/chat/completions"))
+            .json(&req)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert!(
+            !via.contains("token_id"),
+            "client never sees injected log-probs: {via}"
+        );
+        if stream {
+            let events = |s: &str| -> Vec<Value> {
+                s.split("\n\n")
+                    .filter_map(|e| e.strip_prefix("data: "))
+                    .filter(|d| *d != "[DONE]")
+                    .map(|d| serde_json::from_str(d).unwrap())
+                    .collect()
+            };
+            assert_eq!(events(&via), events(&direct));
+        } else {
+            assert_eq!(
+                serde_json::from_str::<Value>(&via).unwrap(),
+                serde_json::from_str::<Value>(&direct).unwrap()
+            );
+        }
+    }
+    let recs = read_interactions(&reader, 2, WAIT).await;
+    assert_eq!(recs.len(), 2);
+    for r in &recs {
+        let b = r.behaviour.as_ref().expect("behaviour recorded");
+        assert_eq!(b.token_ids, Some(vec![100, 101, 102]));
+        assert!(
+            r.response.as_ref().unwrap()["choices"][0]["logprobs"].is_null(),
+            "the recorded response is what the client saw"
+        );
+    }
+    proxy.stop().await;
+}

@@ -140,6 +140,13 @@ impl Encoder {
             }
         }
         let behaviour = response.as_ref().and_then(behaviour_of);
+        // Keep the response as the client saw it: injected log-probs live only in `behaviour`.
+        let mut response = response;
+        if ex.behaviour_injected {
+            if let Some(r) = response.as_mut() {
+                super::strip::null_logprobs(r);
+            }
+        }
         let adapter = ex.adapter.or_else(|| {
             response
                 .as_ref()

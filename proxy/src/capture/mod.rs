@@ -9,6 +9,7 @@
 
 mod encoder;
 pub mod sse;
+mod strip;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -44,6 +45,9 @@ pub struct CapturedExchange {
     pub upstream_headers_ms: f64,
     pub total_ms: f64,
     pub error: Option<String>,
+    /// The proxy asked the upstream for behaviour log-probs the client did not request; they
+    /// were removed from what the client received.
+    pub behaviour_injected: bool,
 }
 
 /// What every capture shares: settings and the channel to the encoder.
@@ -52,6 +56,8 @@ pub struct CaptureShared {
     pub max_request_body_bytes: usize,
     pub max_capture_response_bytes: usize,
     pub encoder: EncoderHandle,
+    /// Ask the upstream for behaviour log-probs on every captured call (see `strip`).
+    pub request_behaviour: bool,
 }
 
 impl CaptureShared {
@@ -126,9 +132,16 @@ where
         Box::pin(async move {
             let started = Instant::now();
             let received_ms = now_ms();
-            let (parts, body) = req.into_parts();
+            let (mut parts, body) = req.into_parts();
             let request = read_limited(body, shared.max_request_body_bytes).await?;
             let interaction_id = Uuid::now_v7();
+            let behaviour_injected =
+                shared.request_behaviour && !strip::client_wants_logprobs(&request);
+            if behaviour_injected {
+                parts
+                    .headers
+                    .insert(strip::BEHAVIOUR_HEADER, HeaderValue::from_static("1"));
+            }
             let exchange = CapturedExchange {
                 interaction_id,
                 received_ms,
@@ -152,6 +165,7 @@ where
                 upstream_headers_ms: 0.0,
                 total_ms: 0.0,
                 error: None,
+                behaviour_injected,
             };
             let result = inner.call(Request::from_parts(parts, full(request))).await;
             let mut exchange = exchange;
@@ -173,6 +187,7 @@ where
                     if let Ok(v) = HeaderValue::from_str(&interaction_id.to_string()) {
                         parts.headers.insert(headers::INTERACTION_ID, v);
                     }
+                    let streamed = exchange.streamed;
                     let body = CaptureBody {
                         inner: body,
                         copy: BytesMut::new(),
@@ -180,8 +195,16 @@ where
                         exchange: Some(exchange),
                         started,
                         shared: shared.clone(),
+                    }
+                    .boxed_unsync();
+                    let body = if behaviour_injected {
+                        // The rewrite changes the length.
+                        parts.headers.remove(http::header::CONTENT_LENGTH);
+                        strip::StripLogprobs::new(body, streamed).boxed_unsync()
+                    } else {
+                        body
                     };
-                    Ok(Response::from_parts(parts, body.boxed_unsync()))
+                    Ok(Response::from_parts(parts, body))
                 }
                 Err(err) => {
                     exchange.status = err.status().as_u16();

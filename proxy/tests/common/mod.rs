@@ -63,10 +63,9 @@ async fn echo(headers: HeaderMap, req: Request) -> Response {
 }
 
 fn chunk(model: &str, delta: Value, finish: Value, logprobs: Option<Value>) -> String {
-    let mut choice = json!({"index": 0, "delta": delta, "finish_reason": finish});
-    if let Some(lp) = logprobs {
-        choice["logprobs"] = lp;
-    }
+    // OpenAI sends `"logprobs": null` in every choice when none were asked for.
+    let choice = json!({"index": 0, "delta": delta, "finish_reason": finish,
+        "logprobs": logprobs.unwrap_or(Value::Null)});
     let c = json!({"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": 1700000000, "model": model, "choices": [choice]});
     format!("data: {c}\n\n")
 }
@@ -85,7 +84,9 @@ async fn chat(headers: HeaderMap, body: axum::body::Bytes) -> Response {
     let model = req["model"].as_str().unwrap_or("mock").to_string();
     let auth_seen = headers.contains_key("authorization");
     let stream = req["stream"].as_bool().unwrap_or(false);
-    let want_logprobs = req["logprobs"].as_bool().unwrap_or(false);
+    // Like `hindsight serve`: behaviour log-probs when asked by the client or by the proxy.
+    let want_logprobs =
+        req["logprobs"].as_bool().unwrap_or(false) || headers.contains_key("x-hindsight-behaviour");
     match model.as_str() {
         "echo-error" => {
             return (
