@@ -685,3 +685,50 @@ pub(crate) fn random_tensors(cfg: &ModelConfig, seed: u64) -> Result<HashMap<Str
 pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
     Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Real tokens get positions 0..len in order on either side; padding fills the rest.
+        #[test]
+        fn padded_layout_positions(lengths in proptest::collection::vec(0usize..12, 1..5), extra in 0usize..4, left in any::<bool>()) {
+            let seq = lengths.iter().copied().max().unwrap_or(0) + extra;
+            let side = if left { PaddingSide::Left } else { PaddingSide::Right };
+            let layout = BatchLayout::padded(&lengths, seq, side).unwrap();
+            for (r, &len) in lengths.iter().enumerate() {
+                let row = r * seq..(r + 1) * seq;
+                let valid = &layout.valid()[row.clone()];
+                let pos = &layout.positions()[row];
+                prop_assert_eq!(valid.iter().filter(|v| **v).count(), len);
+                let real: Vec<u32> = pos.iter().zip(valid).filter(|(_, v)| **v).map(|(p, _)| *p).collect();
+                prop_assert_eq!(real, (0..len as u32).collect::<Vec<_>>());
+                let first_valid = valid.iter().position(|v| *v).unwrap_or(seq);
+                if left { prop_assert_eq!(first_valid, seq - len) } else if len > 0 { prop_assert_eq!(first_valid, 0) }
+            }
+        }
+
+        /// Every query sees itself, never a later key, never a padded key other than itself.
+        #[test]
+        fn mask_is_causal_and_respects_padding(valid in proptest::collection::vec(any::<bool>(), 1..10), past_frac in 0usize..10) {
+            let s = valid.len();
+            let past = past_frac.min(s - 1);
+            let t = s - past;
+            let m = build_mask(&[valid.clone()], t, past, DType::F32, &Device::Cpu).unwrap();
+            let m: Vec<f32> = match m {
+                Some(m) => m.flatten_all().unwrap().to_vec1().unwrap(),
+                None => vec![0.0; t * s],
+            };
+            for i in 0..t {
+                for j in 0..s {
+                    let q = past + i;
+                    let seen = m[i * s + j] == 0.0;
+                    let want = j == q || (j < q && valid[j]);
+                    prop_assert_eq!(seen, want, "query {} key {}", q, j);
+                }
+            }
+        }
+    }
+}

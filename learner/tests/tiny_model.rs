@@ -586,3 +586,50 @@ fn q8_inference_stays_close_to_f32_and_training_ignores_it() {
         .unwrap();
     assert_eq!(l1, l2);
 }
+
+#[test]
+fn left_padded_batched_decoding_matches_single_streams() {
+    let model = tiny_model(Architecture::Qwen2, DType::F32);
+    let adapter = random_adapter("a", model.config(), 8);
+    let dev = Device::Cpu;
+    let prompts: [&[u32]; 2] = [SEQ_A, SEQ_B];
+    let per_row = [AdapterSelection::All(&adapter), AdapterSelection::None];
+    let sel = AdapterSelection::PerSequence(vec![Some(&adapter), None]);
+    let t = SEQ_A.len();
+    let lengths = [SEQ_A.len(), SEQ_B.len()];
+    let mut flat = Vec::new();
+    for p in prompts {
+        flat.extend(std::iter::repeat_n(0u32, t - p.len()));
+        flat.extend_from_slice(p);
+    }
+    let x = Tensor::from_vec(flat, (2, t), &dev).unwrap();
+    let layout = BatchLayout::padded(&lengths, t, PaddingSide::Left).unwrap();
+    let mut cache = KvCache::new();
+    let mut last = model
+        .forward_last(&x, &layout, Some(&mut cache), &sel)
+        .unwrap();
+    let mut seqs: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+    for _ in 0..3 {
+        let next = hindsight_learner::argmax_rows(&last).unwrap();
+        let positions: Vec<u32> = seqs.iter().map(|s| s.len() as u32).collect();
+        for (s, n) in seqs.iter_mut().zip(&next) {
+            s.push(*n);
+        }
+        let step = BatchLayout::new(2, 1, positions, vec![true, true]).unwrap();
+        let x = Tensor::from_vec(next, (2, 1), &dev).unwrap();
+        last = model
+            .forward_last(&x, &step, Some(&mut cache), &sel)
+            .unwrap();
+    }
+    // Each row's final logits equal a fresh single-stream forward over its whole sequence.
+    for (r, seq) in seqs.iter().enumerate() {
+        let full = logits(&model, &[seq], &per_row[r]);
+        let want = full
+            .narrow(1, seq.len() - 1, 1)
+            .unwrap()
+            .squeeze(1)
+            .unwrap();
+        let got = last.narrow(0, r, 1).unwrap();
+        assert!(max_abs_diff(&got, &want) < 1e-4, "row {r}");
+    }
+}
