@@ -53,8 +53,30 @@ pub fn pick(
     allowed: Option<&dyn Fn(u32) -> bool>,
     rng: &mut impl Rng,
 ) -> Option<Pick> {
-    let greedy = params.temperature <= 0.0;
-    let t = if greedy { 1.0 } else { params.temperature };
+    let ok = |id: u32| allowed.is_none_or(|f| f(id));
+    if params.temperature <= 0.0 {
+        // Greedy: the best allowed token, probability 1 under the (deterministic) policy.
+        let scores: Vec<f64> = logits.iter().map(|&l| l as f64).collect();
+        let id = sorted_prefix(&scores, FIRST_CUT)
+            .into_iter()
+            .find(|&i| ok(i))
+            .or_else(|| {
+                (0..logits.len() as u32)
+                    .filter(|&i| ok(i))
+                    .max_by(|&a, &b| logits[a as usize].total_cmp(&logits[b as usize]))
+            })?;
+        let top = if params.top_logprobs > 0 {
+            vec![(id, 0.0)]
+        } else {
+            vec![]
+        };
+        return Some(Pick {
+            id,
+            logprob: 0.0,
+            top,
+        });
+    }
+    let t = params.temperature;
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let weights: Vec<f64> = logits
         .iter()
@@ -68,63 +90,90 @@ pub fn pick(
         })
         .collect();
     let z_all: f64 = weights.iter().sum();
-    // Allowed candidates in descending order, until the unchecked mass is negligible.
-    let mut order = sorted_prefix(&weights, FIRST_CUT);
-    let mut kept: Vec<(u32, f64)> = Vec::new();
-    let mut checked = 0.0;
-    let mut allowed_mass = 0.0;
-    let mut i = 0;
-    loop {
-        if i == order.len() {
-            if order.len() == weights.len() {
+    let lp = |w: f64, z: f64| (w / z).ln() as f32;
+    if allowed.is_none() && params.top_p >= 1.0 {
+        // The whole vocabulary: one linear scan, no sorting.
+        let mut r = rng.random::<f64>() * z_all;
+        let mut chosen = weights.len() - 1;
+        for (i, &w) in weights.iter().enumerate() {
+            if r < w {
+                chosen = i;
                 break;
             }
-            order = sorted_prefix(&weights, weights.len());
+            r -= w;
         }
-        let id = order[i];
-        i += 1;
-        let w = weights[id as usize];
-        checked += w;
-        if allowed.is_none_or(|f| f(id)) {
-            kept.push((id, w));
-            allowed_mass += w;
-            if greedy {
-                break;
-            }
-        }
-        let rest = (z_all - checked).max(0.0);
-        let enough = match allowed {
-            // Unconstrained: stop once the nucleus is covered.
-            None => checked >= params.top_p.min(1.0) * z_all * (1.0 - 1e-12) && params.top_p < 1.0,
-            Some(_) => allowed_mass > 0.0 && rest <= NEGLIGIBLE * allowed_mass,
+        let top = if params.top_logprobs > 0 {
+            sorted_prefix(&weights, params.top_logprobs)
+                .into_iter()
+                .map(|i| (i, lp(weights[i as usize], z_all)))
+                .collect()
+        } else {
+            vec![]
         };
-        if enough || (allowed.is_none() && params.top_p >= 1.0 && i >= FIRST_CUT) {
-            break;
-        }
-    }
-    if kept.is_empty() {
-        return None;
-    }
-    if greedy {
-        let id = kept[0].0;
         return Some(Pick {
-            id,
-            logprob: 0.0,
-            top: if params.top_logprobs > 0 {
-                vec![(id, 0.0)]
-            } else {
-                vec![]
-            },
+            id: chosen as u32,
+            logprob: lp(weights[chosen], z_all),
+            top,
         });
     }
-    // Unconstrained with top_p = 1: the distribution is the whole vocabulary.
-    let full = allowed.is_none() && params.top_p >= 1.0;
-    let z_allowed = if allowed.is_none() {
-        z_all
-    } else {
-        allowed_mass
+    // Candidates, best first: the allowed tokens carrying all but a negligible part of the
+    // allowed mass (constrained), or the nucleus (unconstrained).
+    let mut kept: Vec<(u32, f64)> = Vec::new();
+    let order = sorted_prefix(&weights, FIRST_CUT);
+    let z_allowed = match allowed {
+        None => {
+            let mut cum = 0.0;
+            let mut covered = false;
+            for &i in &order {
+                kept.push((i, weights[i as usize]));
+                cum += weights[i as usize];
+                if cum >= params.top_p * z_all {
+                    covered = true;
+                    break;
+                }
+            }
+            if !covered {
+                kept = sorted_prefix(&weights, weights.len())
+                    .into_iter()
+                    .map(|i| (i, weights[i as usize]))
+                    .collect();
+            }
+            z_all
+        }
+        Some(f) => {
+            let mut seen = 0.0;
+            let mut mass = 0.0;
+            for &i in &order {
+                let w = weights[i as usize];
+                seen += w;
+                if f(i) {
+                    kept.push((i, w));
+                    mass += w;
+                }
+            }
+            if z_all - seen > NEGLIGIBLE * mass {
+                // Scan the rest, skipping tokens too light to matter together.
+                let floor = NEGLIGIBLE * mass / weights.len() as f64;
+                let cut = order
+                    .last()
+                    .map(|&i| weights[i as usize])
+                    .unwrap_or(f64::INFINITY);
+                let in_order: std::collections::HashSet<u32> = order.iter().copied().collect();
+                for (i, &w) in weights.iter().enumerate() {
+                    let i = i as u32;
+                    if w > floor && w <= cut && !in_order.contains(&i) && f(i) {
+                        kept.push((i, w));
+                        mass += w;
+                    }
+                }
+                kept.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
+            }
+            mass
+        }
     };
-    // Nucleus over the allowed tokens.
+    if kept.is_empty() || z_allowed <= 0.0 {
+        return None;
+    }
     if params.top_p < 1.0 {
         let mut cum = 0.0;
         let mut keep = kept.len();
@@ -137,64 +186,57 @@ pub fn pick(
         }
         kept.truncate(keep);
     }
-    let z: f64 = if full {
-        z_all
-    } else {
-        kept.iter().map(|(_, w)| w).sum()
-    };
+    let z: f64 = kept.iter().map(|(_, w)| w).sum();
     let mut r = rng.random::<f64>() * z;
-    let mut chosen = None;
-    if full {
-        // Scan the whole vocabulary (the kept prefix holds only the top candidates).
-        for (id, &w) in weights.iter().enumerate() {
-            if r < w {
-                chosen = Some((id as u32, w));
-                break;
-            }
-            r -= w;
+    let mut chosen = kept[kept.len() - 1];
+    for &(id, w) in &kept {
+        if r < w {
+            chosen = (id, w);
+            break;
         }
-    } else {
-        for &(id, w) in &kept {
-            if r < w {
-                chosen = Some((id, w));
-                break;
-            }
-            r -= w;
-        }
+        r -= w;
     }
-    let (id, w) = match chosen {
-        Some(c) => c,
-        None => *kept
-            .iter()
-            .rev()
-            .find(|(_, w)| *w > 0.0)
-            .unwrap_or(&kept[0]),
-    };
-    let lp = |w: f64| (w / z).ln() as f32;
     Some(Pick {
-        id,
-        logprob: lp(w),
+        id: chosen.0,
+        logprob: lp(chosen.1, z),
         top: kept
             .iter()
             .take(params.top_logprobs)
-            .map(|&(i, w)| (i, lp(w)))
+            .map(|&(i, w)| (i, lp(w, z)))
             .collect(),
     })
 }
 
-/// The decoded text of every vocabulary entry usable under a grammar (`None`: special tokens,
-/// empty tokens and tokens that are not whole UTF-8 characters).
+/// Whether each token may continue the document in `state` (`vocab`: the decoded text of every
+/// token usable under a grammar; `None` for special, empty and partial-UTF-8 tokens). Most tokens
+/// are refused on their first character, which is checked once per distinct character.
 pub fn allowed_by_grammar<'a>(
     state: &JsonState,
     vocab: &'a [Option<String>],
 ) -> impl Fn(u32) -> bool + 'a {
     let state = state.clone();
-    move |id| match vocab.get(id as usize) {
-        Some(Some(text)) => {
-            let mut s = state.clone();
-            s.feed_str(text)
+    let first: std::cell::RefCell<std::collections::HashMap<char, Option<JsonState>>> =
+        Default::default();
+    move |id| {
+        let Some(Some(text)) = vocab.get(id as usize) else {
+            return false;
+        };
+        let mut chars = text.chars();
+        let Some(c) = chars.next() else {
+            return false;
+        };
+        let after_first = first
+            .borrow_mut()
+            .entry(c)
+            .or_insert_with(|| {
+                let mut s = state.clone();
+                s.feed(c).then_some(s)
+            })
+            .clone();
+        match after_first {
+            Some(mut s) => chars.all(|c| s.feed(c)),
+            None => false,
         }
-        _ => false,
     }
 }
 

@@ -37,48 +37,68 @@ fn real_state() -> ServeState {
 #[tokio::test]
 async fn json_schema_with_enums_always_parses_on_the_real_model() {
     let app = app(real_state());
-    let schema = json!({"type": "object", "properties": {
+    let schema = r#"{"type": "object", "properties": {
         "sentiment": {"type": "string", "enum": ["positive", "negative", "neutral"]},
         "urgency": {"enum": ["low", "medium", "high"]},
         "summary": {"type": "string", "maxLength": 60},
         "needs_refund": {"type": "boolean"}
-    }, "required": ["sentiment", "urgency", "summary", "needs_refund"]});
+    }, "required": ["sentiment", "urgency", "summary", "needs_refund"]}"#;
     let prompts = [
         "My order arrived broken and nobody answers my emails. I want my money back now!",
         "Thanks, the new app update is great.",
         "What are your opening hours on Sunday?",
     ];
-    let mut n = 0;
+    // Six requests at once: they share batches in the worker.
+    let mut reqs = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
         for seed in [1u64, 2] {
             let temperature = if seed == 1 { 0.0 } else { 0.8 };
-            let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1",
-                "messages": [{"role": "system", "content": "Classify the customer message. Answer in JSON."},
-                             {"role": "user", "content": p}],
-                "temperature": temperature, "seed": seed + i as u64, "max_tokens": 120, "logprobs": true,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "ticket", "schema": schema}}});
-            let r = post(&app, "/v1/chat/completions", body).await;
-            assert_eq!(r.status, 200, "{}", r.text);
-            let v = r.json();
-            let text = v["choices"][0]["message"]["content"].as_str().unwrap();
-            let parsed: Value =
-                serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
-            assert!(
-                ["positive", "negative", "neutral"]
-                    .contains(&parsed["sentiment"].as_str().unwrap()),
-                "{text}"
+            // Raw JSON text so the schema's property order survives (json! sorts keys).
+            let body = format!(
+                r#"{{"model": "SmolLM2-135M-Instruct.Q4_1",
+                    "messages": [{{"role": "system", "content": "Classify the customer message. Answer in JSON."}},
+                                 {{"role": "user", "content": {}}}],
+                    "temperature": {temperature}, "seed": {}, "max_tokens": 120, "logprobs": true,
+                    "response_format": {{"type": "json_schema", "json_schema": {{"name": "ticket", "schema": {schema}}}}}}}"#,
+                json!(p),
+                seed + i as u64
             );
-            assert!(
-                ["low", "medium", "high"].contains(&parsed["urgency"].as_str().unwrap()),
-                "{text}"
-            );
-            assert!(parsed["summary"].as_str().unwrap().chars().count() <= 60);
-            assert!(parsed["needs_refund"].is_boolean());
-            assert_eq!(v["choices"][0]["finish_reason"], "stop");
-            n += 1;
+            let app = app.clone();
+            reqs.push(async move {
+                (
+                    temperature,
+                    call(&app, "/v1/chat/completions", &body, &[]).await,
+                )
+            });
         }
     }
-    assert_eq!(n, 6);
+    let t0 = std::time::Instant::now();
+    let results = futures::future::join_all(reqs).await;
+    eprintln!("6 guided requests in {:.1}s", t0.elapsed().as_secs_f64());
+    for (temperature, r) in &results {
+        assert_eq!(r.status, 200, "{}", r.text);
+        let v = r.json();
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        eprintln!(
+            "T={temperature} {} tokens: {text}",
+            v["usage"]["completion_tokens"]
+        );
+        let parsed: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(
+            ["positive", "negative", "neutral"].contains(&parsed["sentiment"].as_str().unwrap()),
+            "{text}"
+        );
+        assert!(
+            ["low", "medium", "high"].contains(&parsed["urgency"].as_str().unwrap()),
+            "{text}"
+        );
+        assert!(parsed["summary"].as_str().unwrap().chars().count() <= 60);
+        assert!(parsed["needs_refund"].is_boolean());
+        // Properties come in the order the schema lists them.
+        assert!(text.starts_with("{\"sentiment\": "), "{text}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    }
+    assert_eq!(results.len(), 6);
 }
 
 #[tokio::test]
