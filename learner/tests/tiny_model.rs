@@ -633,3 +633,38 @@ fn left_padded_batched_decoding_matches_single_streams() {
         assert!(max_abs_diff(&got, &want) < 1e-4, "row {r}");
     }
 }
+
+/// The dtype-generic path that GPUs use (bf16 base weights, f32 adapters), exercised on the CPU.
+#[test]
+fn bf16_base_weights_forward_and_backward() {
+    let f32_model = tiny_model(Architecture::Qwen2, DType::F32);
+    let bf16_model = tiny_model(Architecture::Qwen2, DType::BF16);
+    let adapter = random_adapter("b", f32_model.config(), 2);
+    let sel = AdapterSelection::All(&adapter);
+    let a = logits(&f32_model, &[SEQ_A], &sel);
+    let b = logits(&bf16_model, &[SEQ_A], &sel);
+    assert_eq!(b.dtype(), DType::F32, "logits are returned in f32");
+    let scale = max_abs_diff(&a, &a.zeros_like().unwrap());
+    let diff = max_abs_diff(&a, &b);
+    assert!(
+        diff < 0.1 * scale,
+        "bf16 logits differ by {diff} (max |logit| {scale})"
+    );
+    let rows = vec![SEQ_A.to_vec(), SEQ_B.to_vec()];
+    let loss = batch_loss(&bf16_model, &adapter, &rows, true);
+    let grads = loss.backward().unwrap();
+    for var in adapter.vars() {
+        let g = grads
+            .get(var.as_tensor())
+            .expect("every adapter matrix gets a gradient");
+        assert_eq!(g.dtype(), DType::F32);
+        let norm = g
+            .sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(norm.is_finite() && norm > 0.0);
+    }
+}
