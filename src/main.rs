@@ -38,6 +38,8 @@ enum Command {
     /// Transparent capturing proxy in front of an OpenAI-compatible endpoint (also serves the
     /// feedback API under /hindsight/v1/feedback).
     Proxy(hindsight_proxy::ProxyArgs),
+    /// OpenAI-compatible model server with per-request LoRA adapters and hot-swap.
+    Serve(hindsight_serve::ServeArgs),
     /// The feedback API on its own (when it should not share the proxy's port).
     Feedback(FeedbackArgs),
     /// Join interactions with their feedback into training episodes (hindsight.episodes).
@@ -159,6 +161,15 @@ async fn run_proxy(args: hindsight_proxy::ProxyArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn run_serve(args: hindsight_serve::ServeArgs) -> anyhow::Result<()> {
+    let config = args.validate()?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("binding --listen {}", config.listen))?;
+    hindsight_serve::run_serve(config, listener, shutdown_signal()).await?;
+    Ok(())
+}
+
 async fn run_feedback(args: FeedbackArgs) -> anyhow::Result<()> {
     let file: FeedbackFile = hindsight_proxy::load_toml(
         args.config.as_deref(),
@@ -246,6 +257,7 @@ async fn main() -> anyhow::Result<()> {
     init_tracing(cli.log_format);
     match cli.command {
         Command::Proxy(args) => run_proxy(args).await,
+        Command::Serve(args) => run_serve(args).await,
         Command::Feedback(args) => run_feedback(args).await,
         Command::Join(args) => run_join(args).await,
         Command::Eval(args) => run_eval(args).await,
