@@ -708,13 +708,11 @@ impl Frame {
                 false
             }
             Frame::AnyObj { count, phase, .. } => {
-                match *phase {
-                    ContPhase::Member => {
-                        *count += 1;
-                        *phase = ContPhase::After;
-                    }
-                    // The key (phase already Colon) or the `: ` literal (phase already Value).
-                    _ => {}
+                // After the key (phase already Colon) or the `: ` literal (already Value)
+                // nothing changes; after a member value the object may close or continue.
+                if *phase == ContPhase::Member {
+                    *count += 1;
+                    *phase = ContPhase::After;
                 }
                 false
             }

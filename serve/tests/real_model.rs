@@ -1,6 +1,8 @@
 //! The real default model (SmolLM2-135M-Instruct Q4_1): guided JSON with enums always parses,
 //! and the official `openai` Python client works against `run_serve` on a real socket.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use std::sync::OnceLock;

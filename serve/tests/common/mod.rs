@@ -1,6 +1,6 @@
 //! Shared test helpers: a tiny random model behind the real server, request helpers, the real
 //! model's path.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -1,0 +1,120 @@
+// Generation throughput of `hindsight serve` at 1, 4 and 16 concurrent streams on the default
+// model (SmolLM2-135M-Instruct Q4_1, CPU).
+//
+// `cargo bench -p hindsight-bench --bench serve_throughput` (run deploy/fetch-model.sh first).
+// Each stream sends `HINDSIGHT_BENCH_REQUESTS` (default 2) streamed chat requests in a row
+// (temperature 0.8, max_tokens 64); tokens/s = completion tokens of all streams / wall time.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use hindsight_serve::{run_serve, ServeArgs};
+use serde_json::{json, Value};
+
+#[derive(clap::Parser)]
+struct Cli {
+    #[command(flatten)]
+    serve: ServeArgs,
+}
+
+async fn one(http: &reqwest::Client, base: &str, i: usize) -> Result<usize> {
+    let body = json!({"model": "base", "messages": [{"role": "user", "content": format!("Write a long story about a robot named R{i}.")}],
+                      "max_tokens": 64, "temperature": 0.8, "seed": i, "stream": true, "stream_options": {"include_usage": true}});
+    let text = http
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    let mut tokens = None;
+    for line in text.lines() {
+        if let Some(d) = line.strip_prefix("data: ") {
+            if let Ok(v) = serde_json::from_str::<Value>(d) {
+                if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                    tokens = Some(n as usize);
+                }
+            }
+        }
+    }
+    tokens.context("no usage chunk")
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let model = std::env::var_os("HINDSIGHT_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    ensure!(
+        model.exists(),
+        "{} missing: run deploy/fetch-model.sh",
+        model.display()
+    );
+    let per_stream: usize = std::env::var("HINDSIGHT_BENCH_REQUESTS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(2);
+    use clap::Parser;
+    let args = Cli::parse_from(["x", "--model", model.to_str().context("path")?]).serve;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(run_serve(args.validate()?, listener, async {
+        let _ = stop_rx.await;
+    }));
+    let http = reqwest::Client::new();
+    let t0 = Instant::now();
+    while http
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .map(|r| r.status().is_success())
+        .ok()
+        != Some(true)
+    {
+        ensure!(
+            t0.elapsed() < Duration::from_secs(120),
+            "server did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    one(&http, &base, 0).await?; // warm-up
+    println!(
+        "serve_throughput: SmolLM2-135M-Instruct Q4_1, CPU, {} threads available",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0)
+    );
+    for streams in [1usize, 4, 16] {
+        let start = Instant::now();
+        let tasks: Vec<_> = (0..streams)
+            .map(|s| {
+                let (http, base) = (http.clone(), base.clone());
+                tokio::spawn(async move {
+                    let mut n = 0;
+                    for r in 0..per_stream {
+                        n += one(&http, &base, s * 100 + r).await?;
+                    }
+                    anyhow::Ok(n)
+                })
+            })
+            .collect();
+        let mut tokens = 0;
+        for t in tasks {
+            tokens += t.await??;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        println!(
+            "  {streams:2} concurrent streams: {tokens:5} tokens in {secs:6.1} s = {:7.1} tokens/s",
+            tokens as f64 / secs
+        );
+    }
+    let _ = stop_tx.send(());
+    server.await??;
+    Ok(())
+}
