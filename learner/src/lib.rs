@@ -13,7 +13,10 @@ mod tokenizer;
 pub use chat::ChatTemplate;
 pub use config::{Architecture, HfConfig, ModelConfig};
 pub use error::{LearnerError, Result};
-pub use generate::{generate, generate_greedy, sample_token, Sampling};
+pub use generate::{
+    generate, generate_greedy, generate_stream, log_softmax, sample_token,
+    sample_token_with_logprob, GenerateOptions, GeneratedToken, Sampling,
+};
 pub use loader::{load_gguf, load_hf_dir, save_hf_weights, ModelBundle};
 pub use lora::{peft_key, Adapter, AdapterSelection, AdapterSet, LoraConfig, LoraInit, LoraTarget};
 pub use model::{argmax_rows, BatchLayout, KvCache, Model, PaddingSide};
