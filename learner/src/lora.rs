@@ -329,6 +329,86 @@ impl Adapter {
         Self::from_tensors_dtype(self.name, self.config, model_cfg, tensors, dtype)
     }
 
+    /// A deep copy under a new name (fresh variables): e.g. the teacher snapshot of
+    /// self-distillation, or a candidate frozen for publishing while training continues.
+    pub fn snapshot(&self, name: impl Into<String>, model_cfg: &ModelConfig) -> Result<Self> {
+        let tensors = self.tensors()?;
+        let dtype = tensors
+            .values()
+            .next()
+            .map(|t| t.dtype())
+            .unwrap_or(DType::F32);
+        let tensors = tensors
+            .into_iter()
+            .map(|(k, t)| Ok((k, t.copy()?)))
+            .collect::<Result<HashMap<_, _>>>()?;
+        Self::from_tensors_dtype(name.into(), self.config.clone(), model_cfg, tensors, dtype)
+    }
+
+    /// Exponential moving average towards `other` (same configuration): `self = (1 - rate) *
+    /// self + rate * other`, e.g. a slowly moving teacher.
+    pub fn ema_update(&self, other: &Adapter, rate: f64) -> Result<()> {
+        if self.config != other.config {
+            return Err(LearnerError::InvalidAdapter(
+                "EMA between adapters of different configurations".into(),
+            ));
+        }
+        let mine = self.varmap.data().lock().map_err(|_| poisoned())?;
+        let theirs = other.varmap.data().lock().map_err(|_| poisoned())?;
+        for (k, v) in mine.iter() {
+            let o = theirs.get(k).ok_or_else(|| {
+                LearnerError::InvalidAdapter(format!("{k} missing in EMA source"))
+            })?;
+            let o = o.as_tensor().detach().to_dtype(v.dtype())?;
+            let next = ((v.as_tensor().detach() * (1.0 - rate))? + (o * rate)?)?;
+            v.set(&next)?;
+        }
+        Ok(())
+    }
+
+    /// The adapter's tensors by PEFT key (detached).
+    pub fn tensors(&self) -> Result<HashMap<String, Tensor>> {
+        Ok(self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| poisoned())?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_tensor().detach()))
+            .collect())
+    }
+
+    /// Scales the gradients of this adapter's variables in `grads` so that their global L2
+    /// norm is at most `max_norm`; returns the norm before clipping (NaN/Inf if a gradient is
+    /// not finite, so the caller can skip the step).
+    pub fn clip_grad_norm(
+        &self,
+        grads: &mut candle_core::backprop::GradStore,
+        max_norm: f64,
+    ) -> Result<f64> {
+        let vars = self.vars();
+        let mut sq = 0f64;
+        for v in &vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                sq += g
+                    .to_dtype(DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+            }
+        }
+        let norm = sq.sqrt();
+        if norm.is_finite() && norm > max_norm && norm > 0.0 {
+            let scale = max_norm / norm;
+            for v in &vars {
+                if let Some(g) = grads.remove(v.as_tensor()) {
+                    grads.insert(v.as_tensor(), (g * scale)?);
+                }
+            }
+        }
+        Ok(norm)
+    }
+
     /// The adapter's name.
     pub fn name(&self) -> &str {
         &self.name
@@ -481,6 +561,10 @@ struct PeftConfig {
     #[serde(default)]
     use_dora: bool,
     target_modules: serde_json::Value,
+}
+
+fn poisoned() -> LearnerError {
+    LearnerError::InvalidAdapter("poisoned var map".into())
 }
 
 /// Several adapters held at once, by name (e.g. the stable and the candidate version).

@@ -720,3 +720,47 @@ fn streamed_generation_reports_logprobs_and_stops_on_request() {
         seq.push(a.id);
     }
 }
+
+#[test]
+fn snapshot_ema_and_gradient_clipping() {
+    let model = tiny_model(Architecture::Llama, DType::F32);
+    let cfg = model.config().clone();
+    let student = random_adapter("s", &cfg, 1);
+    let teacher = student.snapshot("t", &cfg).unwrap();
+    let a = logits(&model, &[SEQ_A], &AdapterSelection::All(&student));
+    let b = logits(&model, &[SEQ_A], &AdapterSelection::All(&teacher));
+    assert!(max_abs_diff(&a, &b) < 1e-6);
+    // Training the student leaves the snapshot alone.
+    let rows = vec![SEQ_A.to_vec()];
+    let loss = batch_loss(&model, &student, &rows, true);
+    let mut grads = loss.backward().unwrap();
+    let norm = student.clip_grad_norm(&mut grads, 1e-3).unwrap();
+    assert!(norm.is_finite() && norm > 1e-3);
+    let clipped = student.clip_grad_norm(&mut grads, 1e9).unwrap();
+    assert!((clipped - 1e-3).abs() < 1e-6, "clipped norm {clipped}");
+    let mut opt = hindsight_learner::candle_nn::SGD::new(student.vars(), 10.0).unwrap();
+    opt.step(&grads).unwrap();
+    let a2 = logits(&model, &[SEQ_A], &AdapterSelection::All(&student));
+    let b2 = logits(&model, &[SEQ_A], &AdapterSelection::All(&teacher));
+    assert!(max_abs_diff(&a2, &a) > 0.0);
+    assert!(max_abs_diff(&b2, &b) < 1e-6);
+    // EMA with rate 1 copies the student; rate 0.5 lands in between.
+    let half = teacher.snapshot("h", &cfg).unwrap();
+    half.ema_update(&student, 0.5).unwrap();
+    let (sa, ha, ta) = (
+        student.tensors().unwrap(),
+        half.tensors().unwrap(),
+        teacher.tensors().unwrap(),
+    );
+    for (k, h) in &ha {
+        let mid = ((&sa[k] + &ta[k]).unwrap() * 0.5).unwrap();
+        assert!(max_abs_diff(h, &mid) < 1e-6, "{k}");
+    }
+    teacher.ema_update(&student, 1.0).unwrap();
+    assert!(
+        max_abs_diff(
+            &logits(&model, &[SEQ_A], &AdapterSelection::All(&teacher)),
+            &a2
+        ) < 1e-5
+    );
+}
