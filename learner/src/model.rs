@@ -716,7 +716,7 @@ mod tests {
             let s = valid.len();
             let past = past_frac.min(s - 1);
             let t = s - past;
-            let m = build_mask(&[valid.clone()], t, past, DType::F32, &Device::Cpu).unwrap();
+            let m = build_mask(std::slice::from_ref(&valid), t, past, DType::F32, &Device::Cpu).unwrap();
             let m: Vec<f32> = match m {
                 Some(m) => m.flatten_all().unwrap().to_vec1().unwrap(),
                 None => vec![0.0; t * s],
