@@ -118,6 +118,12 @@ fn run_config(cfg: &BaselineConfig, samples: usize, seed_offset: u64) -> RunConf
 }
 
 fn row(name: &str, metrics: RunMetrics, samples: usize) -> BaselineRow {
+    tracing::info!(
+        baseline = name,
+        exact_match = metrics.exact_match,
+        field_accuracy = metrics.field_accuracy.unwrap_or(0.0),
+        "Baseline measured."
+    );
     BaselineRow {
         name: name.to_string(),
         exact_match: metrics.exact_match,
