@@ -48,11 +48,14 @@ wait_http() { # url name seconds
   die "$2 did not come up; see .hindsight/logs/"
 }
 
+# Pretty-prints JSON, at most $2 lines (no SIGPIPE under pipefail).
+pretty() { python3 -c 'import json,sys; l=json.dumps(json.loads(sys.argv[1]),indent=2).splitlines(); n=int(sys.argv[2]); print("\n".join(l[:n])+("\n  ..." if len(l)>n else ""))' "$1" "$2"; }
+
 port_free() { ! ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
 for p in 8000 8080 9464; do port_free "$p" || die "port $p is in use (an earlier run still going?)"; done
 
 say "4/6 hindsight serve on :8000 ($MODEL)"
-"$BIN" serve --model "$MODEL" --listen 127.0.0.1:8000 >.hindsight/logs/serve.log 2>&1 &
+"$BIN" serve --model "$MODEL" --served-model-name SmolLM2-135M-Instruct --listen 127.0.0.1:8000 >.hindsight/logs/serve.log 2>&1 &
 PIDS+=($!)
 wait_http http://127.0.0.1:8000/v1/models "hindsight serve" 120
 
@@ -87,7 +90,7 @@ for _ in $(seq 30); do
   sleep 1
 done
 [ -n "$rec" ] || die "the record did not reach Kafka; see .hindsight/logs/proxy.log"
-echo "$rec" | python3 -m json.tool | head -40
+pretty "$rec" 60
 
 say "the joined training episode (hindsight.episodes)"
 for _ in $(seq 60); do
@@ -96,7 +99,7 @@ for _ in $(seq 60); do
   sleep 1
 done
 [ -n "$ep" ] || die "no episode yet; see .hindsight/logs/join.log"
-echo "$ep" | python3 -m json.tool | head -60
+pretty "$ep" 80
 
 say "running: serve :8000, proxy :8080 (metrics :9464/metrics), joiner. Ctrl-C stops them."
 [ -n "${HINDSIGHT_UP_EXIT:-}" ] && exit 0

@@ -346,34 +346,35 @@ fn apply_env_overrides(
         let Some(rest) = name.strip_prefix("HINDSIGHT_") else {
             continue;
         };
-        let Some((section, key)) = rest.split_once("__") else {
-            continue;
-        };
-        let section = section.to_ascii_lowercase();
-        if !sections.contains(&section.as_str()) {
+        // `__` separates nesting levels: FEEDBACK__SIGNING__SECRETS -> feedback.signing.secrets
+        let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
+        if path.len() < 2 || !sections.contains(&path[0].as_str()) {
             continue;
         }
-        let key = key.to_ascii_lowercase();
         let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
             .ok()
             .and_then(|mut t| t.remove("v"))
             .unwrap_or_else(|| toml::Value::String(raw.clone()));
-        let entry = table
-            .entry(section.clone())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-        match entry {
-            toml::Value::Table(t) => {
-                t.insert(key, value);
-            }
-            _ => {
-                return Err(ConfigError::Invalid {
-                    reason: format!(
-                        "`{name}` overrides a key inside `{section}`, which is not a table"
-                    ),
-                    key: section,
-                })
-            }
+        let (leaf, parents) = path.split_last().unwrap_or((&path[0], &[]));
+        let mut node = &mut *table;
+        for (depth, part) in parents.iter().enumerate() {
+            let entry = node
+                .entry(part.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            node = match entry {
+                toml::Value::Table(t) => t,
+                _ => {
+                    let key = path[..=depth].join(".");
+                    return Err(ConfigError::Invalid {
+                        reason: format!(
+                            "`{name}` overrides a key inside `{key}`, which is not a table"
+                        ),
+                        key,
+                    });
+                }
+            };
         }
+        node.insert(leaf.clone(), value);
     }
     Ok(())
 }
@@ -444,6 +445,12 @@ mod tests {
         assert_eq!(c.proxy.upstream.authority.as_str(), "127.0.0.1:9");
         assert_eq!(c.proxy.upstream.base_path, "/base");
         assert_eq!(c.proxy.connect_timeout, Duration::from_millis(77));
+        let c = load(
+            "",
+            &[("HINDSIGHT_FEEDBACK__SIGNING__SECRETS", "[\"a\", \"b\"]")],
+        )
+        .unwrap();
+        assert!(c.feedback.is_some());
         let err = load("", &[("HINDSIGHT_PROXY__NOPE", "1")]).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
     }
