@@ -373,11 +373,16 @@ async fn handle(st: FeedbackState, req: Request, batch: bool) -> Result<Response
         )
     };
     if let Some(len) = header(&parts.headers, "content-length")? {
-        if len
-            .parse::<u64>()
-            .map_or(true, |n| n > cfg.max_body_bytes as u64)
-        {
-            return Err(too_big());
+        match len.trim().parse::<u64>() {
+            Ok(n) if n > cfg.max_body_bytes as u64 => return Err(too_big()),
+            Ok(_) => {}
+            Err(_) => {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "content-length",
+                    "must be a number of bytes",
+                ))
+            }
         }
     }
     let raw = read_body(body, cfg.max_body_bytes)

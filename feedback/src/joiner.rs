@@ -249,11 +249,20 @@ where
                     Err(e) => {
                         attempt += 1;
                         error!(error = %e, attempt, "Joiner batch failed; retrying.");
-                        if stop && attempt >= 3 {
-                            return Ok(joiner.stats);
+                        let backoff = Duration::from_millis(500 * u64::from(attempt.min(10)));
+                        if stop {
+                            // Shutting down: a few tries, then leave the batch uncommitted
+                            // (the next start re-reads it).
+                            if attempt >= 3 {
+                                return Ok(joiner.stats);
+                            }
+                            tokio::time::sleep(backoff).await;
+                        } else {
+                            tokio::select! {
+                                () = &mut shutdown => return Ok(joiner.stats),
+                                () = tokio::time::sleep(backoff) => {}
+                            }
                         }
-                        tokio::time::sleep(Duration::from_millis(500 * u64::from(attempt.min(10))))
-                            .await;
                     }
                 }
             }

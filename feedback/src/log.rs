@@ -139,6 +139,13 @@ pub struct LogConfig {
     /// Replication factor of created topics.
     #[serde(default = "default_topic_replication")]
     pub topic_replication: i32,
+    /// Kafka's idempotent producer (`enable.idempotence`). Off by default: the local broker
+    /// (tansu 0.6, SQLite engine) panics in its idempotent-producer check under concurrent
+    /// load (seen twice here; the broker then stops answering). Nothing depends on it: every
+    /// record carries a deterministic `hindsight-id` and every consumer deduplicates, so
+    /// at-least-once delivery loses nothing and doubles nothing. Turn it on for Apache Kafka.
+    #[serde(default)]
+    pub idempotent_producer: bool,
 }
 
 fn default_brokers() -> String {
@@ -200,6 +207,7 @@ impl Default for LogConfig {
             probe_interval_ms: default_probe_interval_ms(),
             replay_batch_records: default_replay_batch_records(),
             create_topics: true,
+            idempotent_producer: false,
             topic_partitions: default_topic_partitions(),
             topic_replication: default_topic_replication(),
         }
@@ -325,14 +333,21 @@ impl ValidatedLogConfig {
 
     pub(crate) fn producer_config(&self) -> ClientConfig {
         let mut cc = self.client_config();
-        cc.set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set(
-                "message.timeout.ms",
-                self.raw.message_timeout_ms.to_string(),
-            )
-            .set("linger.ms", self.raw.linger_ms.to_string())
-            .set("compression.type", "lz4");
+        cc.set(
+            "enable.idempotence",
+            if self.raw.idempotent_producer {
+                "true"
+            } else {
+                "false"
+            },
+        )
+        .set("acks", "all")
+        .set(
+            "message.timeout.ms",
+            self.raw.message_timeout_ms.to_string(),
+        )
+        .set("linger.ms", self.raw.linger_ms.to_string())
+        .set("compression.type", "lz4");
         cc
     }
 }
@@ -805,6 +820,19 @@ impl Writer {
 
     /// Replays one batch from the spill. Returns true when the batch reached Kafka.
     async fn replay_once(&mut self, deadline: Option<Instant>) -> bool {
+        // An idempotent producer can enter a fatal state (e.g. after sequence gaps); only a new
+        // producer recovers. Records in flight on the old one were or will be spilled.
+        if let Some((code, reason)) = self.producer.client().fatal_error() {
+            warn!(?code, %reason, "Kafka producer hit a fatal error; recreating it.");
+            match self.cfg.producer_config().create::<FutureProducer>() {
+                Ok(p) => self.producer = p,
+                Err(e) => {
+                    error!(error = %e, "Recreating the Kafka producer failed.");
+                    self.replay_now = false;
+                    return false;
+                }
+            }
+        }
         if !self.topics_ready {
             if !self.probe_broker().await {
                 self.replay_now = false;
