@@ -84,8 +84,15 @@ start_kafka() {
   mkdir -p "$KAFKA_DIR"
   local pid; pid=$(pidfile_pid "$KAFKA_DIR/tansu.pid")
   if pid_alive "$pid" && [ "$(listener_pid "$KAFKA_PORT")" = "$pid" ]; then
-    say "broker already running (pid $pid, 127.0.0.1:$KAFKA_PORT)"
-    return
+    if kafka_answers; then
+      say "broker already running (pid $pid, 127.0.0.1:$KAFKA_PORT)"
+      return
+    fi
+    # tansu's storage task can die while the process lives on (it then refuses every
+    # request); a broker that does not answer is restarted, its data kept.
+    say "broker (pid $pid) is running but not answering; restarting it"
+    stop_kafka
+    mkdir -p "$KAFKA_DIR"
   fi
   if port_busy "$KAFKA_PORT"; then
     die "port $KAFKA_PORT is held by another process (pid $(listener_pid "$KAFKA_PORT")); refusing to start a broker there. Stop it or set KAFKA_PORT."
