@@ -36,16 +36,47 @@ pub fn prometheus() -> Option<PrometheusHandle> {
         .clone()
 }
 
+const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+/// Metric handles registered once per route, so the request path only bumps atomics (no
+/// label formatting or registry lookups per request).
+struct RouteMetrics {
+    requests: [metrics::Counter; 5],
+    headers_seconds: [metrics::Histogram; 5],
+    overhead_seconds: metrics::Histogram,
+}
+
+impl RouteMetrics {
+    fn new(route: &str) -> Self {
+        let route = route.to_string();
+        let per_class = |name: &'static str| {
+            STATUS_CLASSES.map(
+                |class| metrics::counter!(name, "route" => route.clone(), "status_class" => class),
+            )
+        };
+        let per_class_hist = |name: &'static str| {
+            STATUS_CLASSES.map(|class| {
+                metrics::histogram!(name, "route" => route.clone(), "status_class" => class)
+            })
+        };
+        Self {
+            requests: per_class("hindsight_proxy_requests_total"),
+            headers_seconds: per_class_hist("hindsight_proxy_response_headers_seconds"),
+            overhead_seconds: metrics::histogram!("hindsight_proxy_overhead_seconds", "route" => route.clone()),
+        }
+    }
+}
+
 /// Layer recording one span and the request metrics per call.
 #[derive(Clone)]
 pub struct TelemetryLayer {
-    route: Arc<str>,
+    metrics: Arc<RouteMetrics>,
 }
 
 impl TelemetryLayer {
     pub fn new(route: &str) -> Self {
         Self {
-            route: Arc::from(route),
+            metrics: Arc::new(RouteMetrics::new(route)),
         }
     }
 }
@@ -55,7 +86,7 @@ impl<S> tower::Layer<S> for TelemetryLayer {
     fn layer(&self, inner: S) -> Telemetry<S> {
         Telemetry {
             inner,
-            route: self.route.clone(),
+            metrics: self.metrics.clone(),
         }
     }
 }
@@ -63,16 +94,17 @@ impl<S> tower::Layer<S> for TelemetryLayer {
 #[derive(Clone)]
 pub struct Telemetry<S> {
     inner: S,
-    route: Arc<str>,
+    metrics: Arc<RouteMetrics>,
 }
 
-fn status_class(status: u16) -> &'static str {
+/// Index into [`STATUS_CLASSES`].
+fn status_class(status: u16) -> usize {
     match status {
-        100..=199 => "1xx",
-        200..=299 => "2xx",
-        300..=399 => "3xx",
-        400..=499 => "4xx",
-        _ => "5xx",
+        100..=199 => 0,
+        200..=299 => 1,
+        300..=399 => 2,
+        400..=499 => 3,
+        _ => 4,
     }
 }
 
@@ -93,7 +125,7 @@ where
         let started = Instant::now();
         let span = tracing::info_span!("request", method = %req.method(), path = %req.uri().path());
         let fut = self.inner.call(req);
-        let route = self.route.clone();
+        let m = self.metrics.clone();
         Box::pin(
             async move {
                 let result = fut.await;
@@ -102,21 +134,20 @@ where
                     Ok(r) => r.status().as_u16(),
                     Err(e) => e.status().as_u16(),
                 };
-                let labels = [
-                    ("route", route.to_string()),
-                    ("status_class", status_class(status).to_string()),
-                ];
-                metrics::counter!("hindsight_proxy_requests_total", &labels).increment(1);
-                metrics::histogram!("hindsight_proxy_response_headers_seconds", &labels)
-                    .record(elapsed.as_secs_f64());
+                let class = status_class(status);
+                m.requests[class].increment(1);
+                m.headers_seconds[class].record(elapsed.as_secs_f64());
                 if let Ok(resp) = &result {
                     if let Some(UpstreamLatency(up)) = resp.extensions().get::<UpstreamLatency>() {
-                        let overhead = elapsed.saturating_sub(*up);
-                        metrics::histogram!("hindsight_proxy_overhead_seconds", "route" => route.to_string())
-                            .record(overhead.as_secs_f64());
+                        m.overhead_seconds
+                            .record(elapsed.saturating_sub(*up).as_secs_f64());
                     }
                 }
-                tracing::debug!(status, elapsed_ms = elapsed.as_secs_f64() * 1e3, "Request answered.");
+                tracing::debug!(
+                    status,
+                    elapsed_ms = elapsed.as_secs_f64() * 1e3,
+                    "Request answered."
+                );
                 result
             }
             .instrument(span),
