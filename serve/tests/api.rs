@@ -310,3 +310,50 @@ async fn forced_tool_call_is_parsed_into_tool_calls() {
         assert!(["c", "f"].contains(&args["unit"].as_str().unwrap()));
     }
 }
+
+#[tokio::test]
+async fn stop_strings_cut_the_text_streamed_or_not() {
+    let (_s, app) = tiny_app();
+    let full = post(
+        &app,
+        "/v1/chat/completions",
+        chat("tiny", json!({"max_tokens": 20})),
+    )
+    .await
+    .json();
+    let text = full["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 8, "{text:?}");
+    let stop: String = chars[4..6].iter().collect();
+    let want = &text[..text.find(&stop).unwrap()];
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        chat("tiny", json!({"max_tokens": 20, "stop": stop})),
+    )
+    .await
+    .json();
+    assert_eq!(r["choices"][0]["message"]["content"], want);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+    let r = post(
+        &app,
+        "/v1/chat/completions",
+        chat(
+            "tiny",
+            json!({"max_tokens": 20, "stop": [stop], "stream": true}),
+        ),
+    )
+    .await;
+    let mut streamed = String::new();
+    for d in sse_data(&r.text) {
+        if d == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&d).unwrap();
+        streamed.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(streamed, want);
+}
