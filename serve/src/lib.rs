@@ -13,5 +13,5 @@ pub use engine::{grammar_vocab, EngineConfig};
 pub use error::ServeError;
 pub use grammar::{compile_schema, JsonState};
 pub use server::{
-    app, run_serve, ServeArgs, ServeConfig, ServeState, ADAPTER_HEADER, BEHAVIOUR_HEADER,
+    app, run_serve, serve, ServeArgs, ServeConfig, ServeState, ADAPTER_HEADER, BEHAVIOUR_HEADER,
 };

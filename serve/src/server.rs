@@ -277,6 +277,16 @@ pub async fn run_serve(
     Ok(())
 }
 
+/// What the CLI runs: validates `args`, binds `--listen` and serves until `shutdown`.
+pub async fn serve(
+    args: &ServeArgs,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let config = args.validate()?;
+    let listener = tokio::net::TcpListener::bind(config.listen).await?;
+    run_serve(config, listener, shutdown).await
+}
+
 fn wants_behaviour(headers: &HeaderMap) -> bool {
     headers
         .get(BEHAVIOUR_HEADER)

@@ -159,6 +159,7 @@ async fn openai_python_client_against_a_real_socket() {
         "python client failed:\n{stdout}\n{stderr}"
     );
     assert!(stdout.contains("ALL OK"), "{stdout}");
+    eprintln!("{stdout}");
     let _ = tx.send(());
     server.await.unwrap().unwrap();
 }
