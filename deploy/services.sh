@@ -3,7 +3,7 @@
 #   - a Kafka-protocol broker: tansu 0.6.0 (from crates.io), storage in SQLite so it survives restarts
 #   - Redis: Debian's redis-server
 #
-# Usage: deploy/services.sh up|down|status|install|kafka-stop|kafka-start
+# Usage: deploy/services.sh up|down|status|install|kafka-stop|kafka-start|kafka-reset
 #
 # Idempotent: `up` twice leaves one broker and one Redis running. It refuses to start a service
 # on a port that something else already holds (a stale broker once silently served a test run).
@@ -155,6 +155,17 @@ stop_redis() {
   rm -f "$REDIS_DIR/redis.pid"
 }
 
+# Stops the broker, deletes its data and starts it empty. The test command does this first:
+# tansu's SQLite engine slows down as its file grows (a 500 MB file after a benchmark made
+# every request take seconds), and tests need no data from earlier runs.
+reset_kafka() {
+  stop_kafka
+  say "deleting broker data in $KAFKA_DIR"
+  rm -f "$KAFKA_DIR"/tansu.db "$KAFKA_DIR"/tansu.db-shm "$KAFKA_DIR"/tansu.db-wal
+  : >"$KAFKA_DIR/tansu.log" 2>/dev/null || true
+  start_kafka
+}
+
 status() {
   local rc=0
   if kafka_answers 2>/dev/null; then say "broker: up on 127.0.0.1:$KAFKA_PORT (pid $(listener_pid "$KAFKA_PORT"))"; else say "broker: down"; rc=1; fi
@@ -169,5 +180,6 @@ case "${1:-}" in
   status) status ;;
   kafka-stop) stop_kafka ;;
   kafka-start) start_kafka ;;
-  *) echo "usage: $0 up|down|status|install|kafka-stop|kafka-start" >&2; exit 2 ;;
+  kafka-reset) install_tansu; reset_kafka ;;
+  *) echo "usage: $0 up|down|status|install|kafka-stop|kafka-start|kafka-reset" >&2; exit 2 ;;
 esac

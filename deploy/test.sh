@@ -7,9 +7,11 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 "$ROOT/deploy/services.sh" up
+# A fresh, empty broker for every run (see `kafka-reset` in services.sh).
+"$ROOT/deploy/services.sh" kafka-reset
 "$ROOT/deploy/fetch-model.sh"
 echo "[test] installing Python test clients (deploy/requirements-test.txt)"
-python3 -m pip install --quiet --disable-pip-version-check -r deploy/requirements-test.txt
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -r deploy/requirements-test.txt
 
 export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/}"
