@@ -7,7 +7,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{Offset, TopicPartitionList};
 use serde::de::DeserializeOwned;
 use uuid::Uuid;
@@ -89,15 +91,36 @@ impl TopicReader {
             .set("auto.offset.reset", "earliest")
             .set("session.timeout.ms", "10000")
             .set("enable.partition.eof", "false");
+        // A subscription to a topic the broker does not list yet (just created, or a broker
+        // that is slow to publish it) is only retried at the next metadata refresh, 5 minutes
+        // by default.
+        if client.get("max.partition.fetch.bytes").is_none() {
+            client.set("max.partition.fetch.bytes", "65536");
+        }
+        if client.get("topic.metadata.refresh.interval.ms").is_none() {
+            client.set("topic.metadata.refresh.interval.ms", "5000");
+        }
         let consumer: StreamConsumer = client.create()?;
         let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
         consumer.subscribe(&refs)?;
         Ok(TopicReader { consumer })
     }
 
-    /// Waits for the next record.
+    /// Waits for the next record. Transient broker errors (broker away, timeouts, group
+    /// coordinator moving, topic not created yet) are logged and waited out; librdkafka
+    /// reconnects by itself.
     pub async fn recv(&self) -> Result<RawRecord, LogError> {
-        let msg = self.consumer.recv().await?;
+        let msg = loop {
+            match self.consumer.recv().await {
+                Ok(m) => break m,
+                Err(KafkaError::MessageConsumption(code)) if transient(code) => {
+                    tracing::debug!(?code, "Transient consumer error; waiting.");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(KafkaError::PartitionEOF(_)) => {}
+                Err(e) => return Err(e.into()),
+            }
+        };
         let id = msg.headers().and_then(|h| {
             h.iter()
                 .find(|hd| hd.key == ID_HEADER)
@@ -143,4 +166,24 @@ impl TopicReader {
         self.consumer.commit(&tpl, CommitMode::Sync)?;
         Ok(())
     }
+}
+
+fn transient(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::BrokerTransportFailure
+            | C::AllBrokersDown
+            | C::OperationTimedOut
+            | C::RequestTimedOut
+            | C::NetworkException
+            | C::CoordinatorLoadInProgress
+            | C::CoordinatorNotAvailable
+            | C::NotCoordinator
+            | C::UnknownTopicOrPartition
+            | C::UnknownTopic
+            | C::LeaderNotAvailable
+            | C::NotLeaderForPartition
+            | C::Resolve
+    )
 }

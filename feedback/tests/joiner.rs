@@ -403,7 +403,10 @@ async fn inferred_episode_across_three_turns_with_tool_calls() {
 async fn killed_and_restarted_mid_stream_loses_nothing_and_duplicates_nothing() {
     let (log, h, lcfg, _spill) = log().await;
     let now = hindsight_feedback::now_ms();
-    let n = 300;
+    let n: usize = std::env::var("JOIN_TEST_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
     let mut expect: HashMap<Uuid, Uuid> = HashMap::new();
     let mut fbs = Vec::new();
     for k in 0..n {
@@ -432,8 +435,10 @@ async fn killed_and_restarted_mid_stream_loses_nothing_and_duplicates_nothing() 
     cfg.batch_max_records = 20;
     let (_stop, task) = spawn_joiner(cfg.clone(), lcfg.clone());
     let mut eps = Episodes::new(&lcfg);
-    eps.until("some episodes before the kill", |l| l.len() >= 40)
-        .await;
+    eps.until("some episodes before the kill", |l| {
+        l.len() >= (n / 8).max(1)
+    })
+    .await;
     // Kill: abort the task wherever it is (mid-batch, between produce and commit, ...).
     task.abort();
     let _ = task.await;

@@ -26,8 +26,19 @@ pub fn unique(what: &str) -> String {
     format!("test-{what}-{}", Uuid::now_v7().simple())
 }
 
+/// Logs to stderr when RUST_LOG is set (e.g. `RUST_LOG=hindsight_feedback=debug`).
+pub fn init_tracing() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 /// A record log on fresh topics (unique prefix) with its spill in a temp dir.
 pub async fn log() -> (RecordLog, LogHandle, ValidatedLogConfig, tempfile::TempDir) {
+    init_tracing();
     let spill = tempfile::tempdir().unwrap();
     let cfg = LogConfig {
         brokers: brokers(),
