@@ -582,7 +582,7 @@ impl Joiner {
             let mut keep = retracted.iter().map(Option::is_none);
             fb.retain(|_| keep.next().unwrap_or(true));
         }
-        fb.sort_by(|a, b| (a.event_time_ms, a.feedback_id).cmp(&(b.event_time_ms, b.feedback_id)));
+        fb.sort_by_key(|f| (f.event_time_ms, f.feedback_id));
         fb.dedup_by_key(|f| f.feedback_id);
         let marker_key = self.k(&format!("emitted:{turn}"));
         let last: Option<String> = conn.get(&marker_key).await?;

@@ -1,5 +1,6 @@
 //! The joiner against the real broker and Redis: early, late, duplicate and retracted feedback,
 //! episode-level feedback, dead letters, inferred 3-turn episodes, and a kill/restart mid-stream.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! The record log against the real broker: delivery with keys and ids, spill while the broker is
 //! absent, replay in order (also after a restart from the spill directory), overflow and drops.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -1,5 +1,5 @@
 //! Helpers shared by the feedback integration tests (real broker and Redis).
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
