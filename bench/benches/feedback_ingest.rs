@@ -80,12 +80,36 @@ fn main() -> anyhow::Result<()> {
     let duration = Duration::from_secs(env_or("DURATION_S", 10u64));
     let warmup = Duration::from_secs(env_or("WARMUP_S", 2u64));
     let cases = [
-        Case { name: "1 connection", connections: 1, batch: 1, idempotency: false },
-        Case { name: "64 concurrent", connections: 64, batch: 1, idempotency: false },
-        Case { name: "64 concurrent + Idempotency-Key (Redis)", connections: 64, batch: 1, idempotency: true },
-        Case { name: "64 concurrent, batches of 20", connections: 64, batch: 20, idempotency: false },
+        Case {
+            name: "1 connection",
+            connections: 1,
+            batch: 1,
+            idempotency: false,
+        },
+        Case {
+            name: "64 concurrent",
+            connections: 64,
+            batch: 1,
+            idempotency: false,
+        },
+        Case {
+            name: "64 concurrent + Idempotency-Key (Redis)",
+            connections: 64,
+            batch: 1,
+            idempotency: true,
+        },
+        Case {
+            name: "64 concurrent, batches of 20",
+            connections: 64,
+            batch: 20,
+            idempotency: false,
+        },
     ];
-    println!("feedback_ingest: signed (HMAC-SHA256), Kafka on, {} s per case after {} s warm-up", duration.as_secs(), warmup.as_secs());
+    println!(
+        "feedback_ingest: signed (HMAC-SHA256), Kafka on, {} s per case after {} s warm-up",
+        duration.as_secs(),
+        warmup.as_secs()
+    );
     println!("| case | events/s | requests/s | p50 ms | p99 ms | errors |");
     println!("|---|---|---|---|---|---|");
     let mut accepted = 0u64;
@@ -114,7 +138,8 @@ fn main() -> anyhow::Result<()> {
         report.delivered_records, stats_before.spilled_records, report.left_in_spill, report.dropped_records
     );
     let _ = std::fs::remove_dir_all(&spill);
-    if report.dropped_records > 0 || report.left_in_spill > 0 || report.delivered_records < accepted {
+    if report.dropped_records > 0 || report.left_in_spill > 0 || report.delivered_records < accepted
+    {
         bail!("not every accepted event reached Kafka");
     }
     Ok(())
@@ -138,8 +163,17 @@ fn body_for(batch: usize) -> Vec<u8> {
     serde_json::to_vec(&v).unwrap_or_default()
 }
 
-async fn run_case(addr: std::net::SocketAddr, case: &Case, warmup: Duration, duration: Duration) -> anyhow::Result<Outcome> {
-    let path = if case.batch == 1 { "/hindsight/v1/feedback" } else { "/hindsight/v1/feedback/batch" };
+async fn run_case(
+    addr: std::net::SocketAddr,
+    case: &Case,
+    warmup: Duration,
+    duration: Duration,
+) -> anyhow::Result<Outcome> {
+    let path = if case.batch == 1 {
+        "/hindsight/v1/feedback"
+    } else {
+        "/hindsight/v1/feedback/batch"
+    };
     let url = format!("http://{addr}{path}");
     let secret = Secret::new(SECRET);
     let measuring = Arc::new(AtomicBool::new(false));
@@ -150,10 +184,17 @@ async fn run_case(addr: std::net::SocketAddr, case: &Case, warmup: Duration, dur
     let mut tasks = Vec::new();
     for _ in 0..case.connections {
         // One client per worker: one keep-alive connection each.
-        let client = reqwest::Client::builder().pool_max_idle_per_host(1).build()?;
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(1)
+            .build()?;
         let (url, secret) = (url.clone(), secret.clone());
-        let (measuring, stop, events, requests, errors) =
-            (measuring.clone(), stop.clone(), events.clone(), requests.clone(), errors.clone());
+        let (measuring, stop, events, requests, errors) = (
+            measuring.clone(),
+            stop.clone(),
+            events.clone(),
+            requests.clone(),
+            errors.clone(),
+        );
         let (batch, idem) = (case.batch, case.idempotency);
         tasks.push(tokio::spawn(async move {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
