@@ -83,21 +83,24 @@ say "signed feedback for it (examples/webhook/send.sh)"
 HINDSIGHT_SECRET="$SECRET" examples/webhook/send.sh \
   "{\"interaction_id\":\"$IID\",\"kind\":\"comment\",\"value\":\"Correct, but answer in one word next time.\"}"
 
+# The first record of TOPIC mentioning ID, waiting up to SECONDS for it to arrive.
+find_record() { # topic id seconds
+  local rec=""
+  for _ in $(seq "$3"); do
+    rec=$("$BIN" tail "$1" | grep "$2" || true)
+    [ -n "$rec" ] && break
+    sleep 1
+  done
+  printf '%s' "$rec"
+}
+
 say "the interaction record in Kafka (hindsight.interactions)"
-for _ in $(seq 30); do
-  rec=$("$BIN" tail interactions | grep "$IID" || true)
-  [ -n "$rec" ] && break
-  sleep 1
-done
+rec=$(find_record interactions "$IID" 30)
 [ -n "$rec" ] || die "the record did not reach Kafka; see .hindsight/logs/proxy.log"
 pretty "$rec" 60
 
 say "the joined training episode (hindsight.episodes)"
-for _ in $(seq 60); do
-  ep=$("$BIN" tail episodes | grep "$IID" || true)
-  [ -n "$ep" ] && break
-  sleep 1
-done
+ep=$(find_record episodes "$IID" 60)
 [ -n "$ep" ] || die "no episode yet; see .hindsight/logs/join.log"
 pretty "$ep" 80
 
