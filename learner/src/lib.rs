@@ -9,6 +9,8 @@ mod lora;
 mod model;
 pub mod ops;
 mod tokenizer;
+pub mod publish;
+pub mod registry;
 
 pub use chat::ChatTemplate;
 pub use config::{Architecture, HfConfig, ModelConfig};

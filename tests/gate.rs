@@ -1,0 +1,345 @@
+//! The eval gate end to end, on real parts: `hindsight serve` in-process on the real default
+//! model (SmolLM2-135M-Instruct Q4_1), the real Redis, the adapter registry and
+//! `gate_and_publish`. A candidate that wrecks the answers is rejected and never serves; a
+//! harmless one passes the gate and goes live.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use hindsight_learner::candle_core::{DType, Device};
+use hindsight_learner::publish::{gate_and_publish, GateConfig, GateVerdict, PublishConfig};
+use hindsight_learner::registry::{
+    sha256_file, NewVersion, OffsetRange, Registry, RegistryConfig, VersionEntry, VersionStatus,
+};
+use hindsight_learner::{load_gguf, Adapter, LoraConfig, LoraInit, ModelConfig};
+use hindsight_serve::{run_serve, EngineConfig, ServeConfig};
+use serde_json::{json, Value};
+
+const MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+const BASE_NAME: &str = "SmolLM2-135M-Instruct.Q4_1";
+const NAME: &str = "support";
+
+/// Questions the base model answers right with greedy decoding (checked with `hindsight eval`:
+/// it misses Italy and Spain, so they are not here).
+const ITEMS: [(&str, &str, &str); 6] = [
+    ("france", "What is the capital of France?", "Paris"),
+    ("germany", "What is the capital of Germany?", "Berlin"),
+    ("japan", "What is the capital of Japan?", "Tokyo"),
+    ("uk", "What is the capital of the United Kingdom?", "London"),
+    ("russia", "What is the capital of Russia?", "Moscow"),
+    ("china", "What is the capital of China?", "Beijing"),
+];
+
+fn model_path() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(MODEL);
+    if !p.is_file() {
+        panic!(
+            "{} is missing: run deploy/fetch-model.sh to fetch the default model",
+            p.display()
+        );
+    }
+    p
+}
+
+/// Starts `hindsight serve` on 127.0.0.1:0; returns its API base and the shutdown trigger.
+async fn start_serve(model: &Path) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ServeConfig {
+        model: model.to_path_buf(),
+        listen: addr,
+        adapters: vec![],
+        served_model_name: BASE_NAME.into(),
+        engine: EngineConfig {
+            queue_capacity: 64,
+            max_active_sequences: 32,
+            max_group_size: 16,
+        },
+        default_max_tokens: 32,
+        keep_adapter_versions: 2,
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        run_serve(config, listener, async {
+            let _ = rx.await;
+        })
+        .await
+        .unwrap();
+    });
+    let endpoint = format!("http://{addr}/v1");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let up = client.get(format!("http://{addr}/health")).send().await;
+        if up.is_ok_and(|r| r.status().is_success()) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "serve did not come up in 120 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    (endpoint, tx)
+}
+
+fn write_eval_set(dir: &Path) -> PathBuf {
+    let path = dir.join("capitals.jsonl");
+    let lines: Vec<String> = ITEMS
+        .iter()
+        .map(|(id, q, a)| {
+            json!({"id": id, "messages": [{"role": "user", "content": q}],
+                   "scorer": "contains", "expected": a})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    path
+}
+
+fn adapter(cfg: &ModelConfig, init: LoraInit, seed: u64) -> Adapter {
+    let lora = LoraConfig {
+        rank: 8,
+        alpha: 16.0,
+        ..LoraConfig::default()
+    };
+    Adapter::new(NAME, lora, cfg, init, seed, &Device::Cpu).unwrap()
+}
+
+/// `/v1/models`: id → version (null for the base model).
+async fn served(endpoint: &str) -> Vec<(String, Value)> {
+    let body: Value = reqwest::get(format!("{endpoint}/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["id"].as_str().unwrap().to_string(), m["version"].clone()))
+        .collect()
+}
+
+/// The `x-hindsight-adapter` header of a one-token chat request to `model`.
+async fn adapter_header(endpoint: &str, model: &str) -> String {
+    let resp = reqwest::Client::new()
+        .post(format!("{endpoint}/chat/completions"))
+        .json(&json!({"model": model, "max_tokens": 1, "temperature": 0,
+                      "messages": [{"role": "user", "content": "Hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.status().is_success(), "{}", resp.status());
+    resp.headers()["x-hindsight-adapter"]
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+async fn register(
+    reg: &Registry,
+    a: &Adapter,
+    parent: Option<u64>,
+    examples: u64,
+    base_sha: &str,
+) -> VersionEntry {
+    reg.register(NewVersion {
+        name: NAME,
+        adapter: a,
+        base_model: BASE_NAME,
+        base_model_sha256: base_sha,
+        parent,
+        training_config: json!({"objective": "test"}),
+        offsets: vec![OffsetRange {
+            topic: "hindsight.episodes".into(),
+            partition: 0,
+            from: 0,
+            to: examples as i64,
+        }],
+        examples,
+        tokens: examples * 100,
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
+    let t0 = Instant::now();
+    let model = model_path();
+    let (endpoint, stop) = start_serve(&model).await;
+    let model_cfg = load_gguf(&model, DType::F32, &Device::Cpu).unwrap().config;
+    let base_sha = sha256_file(&model).unwrap();
+    eprintln!(
+        "serve up, model config read: {:.1}s",
+        t0.elapsed().as_secs_f64()
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = format!(
+        "hindsight:test:gate:{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    let reg = Registry::connect(RegistryConfig {
+        redis_url: redis_url.clone(),
+        key_prefix: prefix.clone(),
+        adapter_dir: dir.path().join("adapters"),
+    })
+    .await
+    .unwrap();
+    let gate = GateConfig {
+        margin: 0.2,
+        max_tokens: Some(12),
+        concurrency: 6,
+        ..GateConfig::new(write_eval_set(dir.path()))
+    };
+    let cfg = PublishConfig {
+        endpoints: vec![endpoint.clone()],
+        api_key: None,
+        gate: Some(gate),
+        promote: true,
+        load_timeout_ms: 60_000,
+    };
+    // Live: a zero-B adapter (the base model's behaviour), gated against the base model.
+    let live = adapter(&model_cfg, LoraInit::Peft, 1);
+    let v1 = register(&reg, &live, None, 0, &base_sha).await;
+    let t = Instant::now();
+    let out = gate_and_publish(&reg, v1, &cfg, BASE_NAME).await.unwrap();
+    eprintln!(
+        "gate v1 vs base: {:.1}s {:?}",
+        t.elapsed().as_secs_f64(),
+        out.verdict
+    );
+    let eval = out.entry.eval.clone().unwrap();
+    assert_eq!(eval["live"]["model"], BASE_NAME, "{eval:#}");
+    assert_eq!(
+        eval["live"]["exact_match"], 1.0,
+        "the base model must answer every gate item: {eval:#}"
+    );
+    assert!(out.verdict.as_ref().unwrap().accepted(), "{eval:#}");
+    assert_eq!(out.entry.status, VersionStatus::Live);
+    assert_eq!(adapter_header(&endpoint, NAME).await, "support@1");
+
+    // A candidate with large random B: it wrecks the answers and must be rejected.
+    let bad = adapter(&model_cfg, LoraInit::RandomB(1.0), 2);
+    let v2 = register(&reg, &bad, Some(1), 64, &base_sha).await;
+    let t = Instant::now();
+    let out = gate_and_publish(&reg, v2, &cfg, BASE_NAME).await.unwrap();
+    eprintln!(
+        "gate v2 (wrecked) vs v1: {:.1}s {:?}",
+        t.elapsed().as_secs_f64(),
+        out.verdict
+    );
+    let eval = out.entry.eval.clone().unwrap();
+    match out.verdict {
+        Some(GateVerdict::Rejected {
+            candidate,
+            live,
+            items,
+            ..
+        }) => {
+            assert_eq!(items, ITEMS.len());
+            assert_eq!(live, 1.0);
+            assert!(candidate < live - 0.2, "{eval:#}");
+        }
+        other => panic!("expected a rejection, got {other:?}: {eval:#}"),
+    }
+    let stored = reg.get(NAME, 2).await.unwrap().unwrap();
+    assert_eq!(stored.status, VersionStatus::Rejected);
+    assert_eq!(stored.eval, Some(eval.clone()));
+    assert_eq!(eval["verdict"], "rejected");
+    assert_eq!(eval["live"]["model"], NAME);
+    assert_eq!(eval["live"]["version"], 1);
+    assert_eq!(eval["candidate"]["model"], "support-candidate");
+    assert_eq!(eval["margin"], 0.2);
+    assert_eq!(eval["items"], ITEMS.len());
+    assert_eq!(eval["set"]["sha256"].as_str().unwrap().len(), 64);
+    assert!(
+        !eval["regressions"].as_array().unwrap().is_empty(),
+        "{eval:#}"
+    );
+    eprintln!("a regression: {}", eval["regressions"][0]);
+    assert!(stored
+        .note
+        .as_deref()
+        .unwrap()
+        .starts_with("rejected by the eval gate"));
+    // It stays out of serving; the live version still serves.
+    let models = served(&endpoint).await;
+    assert!(
+        !models
+            .iter()
+            .any(|(id, _)| id.starts_with("support-candidate")),
+        "{models:?}"
+    );
+    assert!(models.contains(&(NAME.to_string(), json!(1))), "{models:?}");
+    assert_eq!(adapter_header(&endpoint, NAME).await, "support@1");
+    assert_eq!(reg.live(NAME).await.unwrap().unwrap().version, 1);
+
+    // A harmless candidate (zero B again) passes and goes live; v1 retires.
+    let good = adapter(&model_cfg, LoraInit::Peft, 3);
+    let v3 = register(&reg, &good, Some(1), 128, &base_sha).await;
+    let t = Instant::now();
+    let out = gate_and_publish(&reg, v3, &cfg, BASE_NAME).await.unwrap();
+    eprintln!(
+        "gate v3 (harmless) vs v1: {:.1}s {:?}",
+        t.elapsed().as_secs_f64(),
+        out.verdict
+    );
+    let eval = out.entry.eval.clone().unwrap();
+    assert!(
+        matches!(out.verdict, Some(GateVerdict::Accepted { candidate, .. }) if candidate == 1.0),
+        "{eval:#}"
+    );
+    assert_eq!(out.entry.version, 3);
+    assert_eq!(out.entry.status, VersionStatus::Live);
+    assert_eq!(eval["verdict"], "accepted");
+    assert_eq!(reg.live(NAME).await.unwrap().unwrap().version, 3);
+    assert_eq!(
+        reg.get(NAME, 1).await.unwrap().unwrap().status,
+        VersionStatus::Retired
+    );
+    assert_eq!(
+        reg.get(NAME, 2).await.unwrap().unwrap().status,
+        VersionStatus::Rejected
+    );
+    let models = served(&endpoint).await;
+    assert!(models.contains(&(NAME.to_string(), json!(3))), "{models:?}");
+    assert!(
+        !models
+            .iter()
+            .any(|(id, _)| id.starts_with("support-candidate")),
+        "{models:?}"
+    );
+    assert_eq!(adapter_header(&endpoint, NAME).await, "support@3");
+
+    // Publishing is for candidates only.
+    let again = reg.get(NAME, 2).await.unwrap().unwrap();
+    assert!(gate_and_publish(&reg, again, &cfg, BASE_NAME)
+        .await
+        .is_err());
+
+    let mut conn = redis::Client::open(redis_url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(keys)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _ = stop.send(());
+    eprintln!("total {:.1}s", t0.elapsed().as_secs_f64());
+}
