@@ -12,6 +12,14 @@ mod tokenizer;
 pub mod publish;
 pub mod registry;
 
+pub mod checkpoint;
+pub mod example;
+pub mod objectives;
+pub mod online;
+pub mod optim;
+pub mod trainer;
+
+
 pub use chat::ChatTemplate;
 pub use config::{Architecture, HfConfig, ModelConfig};
 pub use error::{LearnerError, Result};

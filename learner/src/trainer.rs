@@ -1,0 +1,960 @@
+//! The trainer: one optimizer step of the LoRA policy on a micro-batch of examples, mixing the
+//! objectives of [`crate::objectives`] by configured weights, with the guards (KL-to-base
+//! budget, gradient clipping, refusal of non-finite losses and weights), the slowly moving
+//! teacher (EMA of the policy) and the per-route reward baselines.
+//!
+//! Per example the step runs: the student (policy, tracked) on context + logged answer; the
+//! base model (no adapter) on the same tokens when the KL guard or KTO needs it; the teacher
+//! (EMA adapter) on the hindsight context + the same answer when there is text feedback and
+//! distillation or dense rewards are on; and the policy on context + correction for SFT.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+use tracing::{debug, info_span, warn};
+
+use crate::error::{LearnerError, Result};
+use crate::example::TrainExample;
+use crate::lora::{Adapter, AdapterSelection, LoraConfig, LoraInit};
+use crate::model::{BatchLayout, Model};
+use crate::objectives::{
+    dense_advantages, distill_loss, kl_to_base, kto_loss, mean, pg_loss, token_logprobs,
+    Divergence, KtoConfig,
+};
+use crate::ops;
+use crate::optim::{AdamW, AdamWConfig};
+
+/// Weight of each objective in the mixed loss (0 turns one off).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObjectiveWeights {
+    /// Supervised fine-tuning on corrections.
+    #[serde(default)]
+    pub sft: f64,
+    /// KTO on thumbs.
+    #[serde(default)]
+    pub kto: f64,
+    /// Hindsight self-distillation on text feedback.
+    #[serde(default)]
+    pub distill: f64,
+    /// Dense-reward policy gradient.
+    #[serde(default)]
+    pub dense: f64,
+}
+
+impl Default for ObjectiveWeights {
+    /// Self-distillation plus dense rewards, the configuration the design recommends.
+    fn default() -> Self {
+        Self {
+            sft: 0.0,
+            kto: 0.0,
+            distill: 1.0,
+            dense: 1.0,
+        }
+    }
+}
+
+/// Trainer settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerConfig {
+    /// The adapter trained.
+    #[serde(default = "default_lora")]
+    pub lora: LoraConfig,
+    /// AdamW.
+    #[serde(default = "default_optimizer")]
+    pub optimizer: AdamWConfig,
+    /// Objective mix.
+    #[serde(default)]
+    pub objectives: ObjectiveWeights,
+    /// Divergence of self-distillation.
+    #[serde(default)]
+    pub divergence: Divergence,
+    /// Teacher tokens kept per position (plus a tail bucket).
+    #[serde(default = "default_top_k")]
+    pub top_k: usize,
+    /// EMA rate of the teacher towards the policy after each step (0 = frozen at the start).
+    #[serde(default = "default_ema_rate")]
+    pub teacher_ema_rate: f64,
+    /// Clip of the per-token teacher/student gap in the dense advantage.
+    #[serde(default = "default_gap_clip")]
+    pub gap_clip: f64,
+    /// ε of the importance-ratio clip.
+    #[serde(default = "default_ratio_clip")]
+    pub ratio_clip: f64,
+    /// Rate of the running reward baseline per route.
+    #[serde(default = "default_baseline_rate")]
+    pub baseline_rate: f64,
+    /// KTO.
+    #[serde(default)]
+    pub kto: KtoConfig,
+    /// KL(policy ‖ base) per logged token above which the penalty applies (nats).
+    #[serde(default = "default_kl_budget")]
+    pub kl_budget: f64,
+    /// Weight of the penalty on KL above the budget.
+    #[serde(default = "default_kl_penalty")]
+    pub kl_penalty: f64,
+    /// Global gradient-norm clip.
+    #[serde(default = "default_max_grad_norm")]
+    pub max_grad_norm: f64,
+    /// Seed of the adapter's initialisation.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+fn default_lora() -> LoraConfig {
+    LoraConfig {
+        rank: 8,
+        alpha: 16.0,
+        ..LoraConfig::default()
+    }
+}
+fn default_optimizer() -> AdamWConfig {
+    AdamWConfig {
+        lr: 5e-4,
+        ..AdamWConfig::default()
+    }
+}
+fn default_top_k() -> usize {
+    64
+}
+fn default_ema_rate() -> f64 {
+    0.05
+}
+fn default_gap_clip() -> f64 {
+    2.0
+}
+fn default_ratio_clip() -> f64 {
+    0.2
+}
+fn default_baseline_rate() -> f64 {
+    0.1
+}
+fn default_kl_budget() -> f64 {
+    0.5
+}
+fn default_kl_penalty() -> f64 {
+    1.0
+}
+fn default_max_grad_norm() -> f64 {
+    1.0
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        Self {
+            lora: default_lora(),
+            optimizer: default_optimizer(),
+            objectives: ObjectiveWeights::default(),
+            divergence: Divergence::default(),
+            top_k: default_top_k(),
+            teacher_ema_rate: default_ema_rate(),
+            gap_clip: default_gap_clip(),
+            ratio_clip: default_ratio_clip(),
+            baseline_rate: default_baseline_rate(),
+            kto: KtoConfig::default(),
+            kl_budget: default_kl_budget(),
+            kl_penalty: default_kl_penalty(),
+            max_grad_norm: default_max_grad_norm(),
+            seed: 0,
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Checks ranges once at start-up.
+    pub fn check(&self) -> Result<()> {
+        self.optimizer.check()?;
+        let w = self.objectives;
+        let weights = [w.sft, w.kto, w.distill, w.dense];
+        if weights.iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return Err(bad("objectives weights must be finite and >= 0"));
+        }
+        if weights.iter().all(|x| *x == 0.0) {
+            return Err(bad("at least one objective weight must be > 0"));
+        }
+        if self.top_k == 0 {
+            return Err(bad("top_k must be >= 1"));
+        }
+        if !(0.0..=1.0).contains(&self.teacher_ema_rate) {
+            return Err(bad("teacher_ema_rate must be in [0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&self.baseline_rate) {
+            return Err(bad("baseline_rate must be in [0, 1]"));
+        }
+        if !(self.ratio_clip > 0.0 && self.gap_clip > 0.0 && self.max_grad_norm > 0.0) {
+            return Err(bad("ratio_clip, gap_clip and max_grad_norm must be > 0"));
+        }
+        if self.kl_budget < 0.0 || self.kl_penalty < 0.0 {
+            return Err(bad("kl_budget and kl_penalty must be >= 0"));
+        }
+        Ok(())
+    }
+}
+
+fn bad(msg: &str) -> LearnerError {
+    LearnerError::InvalidArgument(format!("trainer config: {msg}"))
+}
+
+/// What one step did (also the JSONL run-log line and the metrics).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct StepReport {
+    /// Optimizer steps taken so far (after this one).
+    pub step: u64,
+    /// Examples in the micro-batch.
+    pub examples: usize,
+    /// Tokens processed (all forward passes).
+    pub tokens: usize,
+    /// Total loss.
+    pub loss: f64,
+    /// Mean loss per objective over the examples it applied to (`sft`, `kto`, `distill`,
+    /// `dense`, `kl_penalty`).
+    pub terms: BTreeMap<String, f64>,
+    /// Examples each objective applied to.
+    pub applied: BTreeMap<String, usize>,
+    /// Mean KL(policy ‖ base) per logged token.
+    pub kl_to_base: f64,
+    /// Mean teacher − student log-prob of the logged tokens (where a teacher ran).
+    pub teacher_student_gap: Option<f64>,
+    /// Mean and standard deviation of the dense advantages.
+    pub advantage_mean: Option<f64>,
+    /// Standard deviation of the dense advantages.
+    pub advantage_std: Option<f64>,
+    /// Share of tokens whose importance ratio was clipped.
+    pub clip_fraction: Option<f64>,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Why the step was skipped (non-finite loss, gradient or weights), if it was.
+    pub skipped: Option<String>,
+    /// Wall time of the step, ms.
+    pub duration_ms: u64,
+}
+
+/// Counters and running statistics that belong in a checkpoint.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps applied.
+    pub steps: u64,
+    /// Steps refused by a guard.
+    pub skipped_steps: u64,
+    /// Examples trained on.
+    pub examples: u64,
+    /// Tokens processed.
+    pub tokens: u64,
+    /// Running reward baseline per route.
+    pub baselines: BTreeMap<String, f64>,
+    /// KTO's reference point (running KL estimate).
+    pub kto_z: f64,
+}
+
+/// The policy adapter, its teacher and optimizer, over a frozen base model.
+pub struct Trainer {
+    model: Arc<Model>,
+    cfg: TrainerConfig,
+    policy: Adapter,
+    teacher: Adapter,
+    opt: AdamW,
+    state: TrainerState,
+}
+
+impl std::fmt::Debug for Trainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("cfg", &self.cfg)
+            .field("state", &self.state)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One forward's quantities at the answer positions.
+struct AnswerPass {
+    /// `[n, V]` logits (tracked for the student).
+    logits: Tensor,
+    /// `[n]` log-probs of the logged tokens.
+    logprobs: Tensor,
+}
+
+impl Trainer {
+    /// A new trainer with a fresh adapter (B = 0: starts as the base model) named `name`.
+    pub fn new(model: Arc<Model>, cfg: TrainerConfig, name: &str) -> Result<Self> {
+        cfg.check()?;
+        let policy = Adapter::new(
+            name,
+            cfg.lora.clone(),
+            model.config(),
+            LoraInit::Peft,
+            cfg.seed,
+            model.device(),
+        )?;
+        Self::with_policy(model, cfg, policy)
+    }
+
+    /// A trainer continuing from an existing adapter (the teacher starts as a copy).
+    pub fn with_policy(model: Arc<Model>, cfg: TrainerConfig, policy: Adapter) -> Result<Self> {
+        cfg.check()?;
+        let teacher = policy.snapshot(format!("{}-teacher", policy.name()), model.config())?;
+        let opt = AdamW::new(cfg.optimizer)?;
+        Ok(Self {
+            model,
+            cfg,
+            policy,
+            teacher,
+            opt,
+            state: TrainerState::default(),
+        })
+    }
+
+    /// The policy being trained.
+    pub fn policy(&self) -> &Adapter {
+        &self.policy
+    }
+    /// The teacher (EMA of the policy).
+    pub fn teacher(&self) -> &Adapter {
+        &self.teacher
+    }
+    /// The base model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+    /// The configuration.
+    pub fn config(&self) -> &TrainerConfig {
+        &self.cfg
+    }
+    /// Counters and running statistics.
+    pub fn state(&self) -> &TrainerState {
+        &self.state
+    }
+
+    /// Runs the model on `prefix ++ answer` and returns the answer positions' logits and the
+    /// log-probs of `answer`. `tracked` = training forward of the policy.
+    fn answer_pass(
+        &self,
+        prefix: &[u32],
+        answer: &[u32],
+        adapters: &AdapterSelection,
+        tracked: bool,
+    ) -> Result<AnswerPass> {
+        let dev = self.model.device();
+        let ids: Vec<u32> = prefix.iter().chain(answer).copied().collect();
+        let len = ids.len();
+        let input = Tensor::from_vec(ids, (1, len), dev)?;
+        let hidden = self.model.hidden(
+            &input,
+            &BatchLayout::dense(1, len, 0),
+            None,
+            adapters,
+            tracked,
+        )?;
+        let n = answer.len();
+        // Position p predicts token p + 1: the answer's tokens are predicted from prefix.len() - 1.
+        let rows = hidden.narrow(1, prefix.len() - 1, n)?.squeeze(0)?;
+        let rows = if tracked { rows } else { rows.detach() };
+        let logits = self.model.logits(&rows)?;
+        let targets = Tensor::from_slice(answer, n, dev)?;
+        let logprobs = token_logprobs(&logits, &targets)?;
+        Ok(AnswerPass { logits, logprobs })
+    }
+
+    /// Mean cross-entropy of `answer` after `prefix` under the policy (tracked), through the
+    /// fused LM-head cross-entropy (no `[n, V]` logits kept).
+    fn sft_loss(&self, prefix: &[u32], answer: &[u32]) -> Result<Tensor> {
+        let dev = self.model.device();
+        let ids: Vec<u32> = prefix.iter().chain(answer).copied().collect();
+        let len = ids.len();
+        let input = Tensor::from_vec(ids, (1, len), dev)?;
+        let hidden = self.model.hidden(
+            &input,
+            &BatchLayout::dense(1, len, 0),
+            None,
+            &AdapterSelection::All(&self.policy),
+            true,
+        )?;
+        let rows = hidden
+            .narrow(1, prefix.len() - 1, answer.len())?
+            .squeeze(0)?;
+        let targets = Tensor::from_slice(answer, answer.len(), dev)?;
+        let ce = ops::cross_entropy_with_head(&rows, self.model.lm_head(), &targets)?;
+        mean(&ce)
+    }
+
+    /// One optimizer step on `batch`. A step refused by a guard leaves the weights untouched
+    /// and says why in [`StepReport::skipped`].
+    pub fn step(&mut self, batch: &[TrainExample]) -> Result<StepReport> {
+        let started = Instant::now();
+        let span = info_span!(
+            "train_step",
+            step = self.state.steps + 1,
+            examples = batch.len()
+        );
+        let _guard = span.enter();
+        if batch.is_empty() {
+            return Err(LearnerError::InvalidArgument("empty micro-batch".into()));
+        }
+        let w = self.cfg.objectives;
+        let dev = self.model.device().clone();
+        let mut report = StepReport {
+            examples: batch.len(),
+            ..Default::default()
+        };
+        let mut total: Option<Tensor> = None;
+        let mut add = |t: Tensor| -> Result<()> {
+            total = Some(match total.take() {
+                Some(acc) => (acc + t)?,
+                None => t,
+            });
+            Ok(())
+        };
+        let mut term_sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut applied: BTreeMap<String, usize> = BTreeMap::new();
+        let mut note = |name: &str, v: f64| {
+            *term_sums.entry(name.to_string()).or_default() += v;
+            *applied.entry(name.to_string()).or_default() += 1;
+        };
+        let (mut kl_sum, mut gap_sum, mut gap_n) = (0.0, 0.0, 0usize);
+        let mut advs: Vec<f32> = Vec::new();
+        let (mut clip_sum, mut clip_n) = (0.0, 0usize);
+        let mut z_updates = Vec::new();
+        let mut baseline_updates = Vec::new();
+
+        for ex in batch {
+            if ex.context_ids.is_empty() || ex.answer_ids.is_empty() {
+                return Err(LearnerError::InvalidArgument(format!(
+                    "example {} has an empty context or answer",
+                    ex.record_id
+                )));
+            }
+            let n = ex.answer_ids.len();
+            let student = self.answer_pass(
+                &ex.context_ids,
+                &ex.answer_ids,
+                &AdapterSelection::All(&self.policy),
+                true,
+            )?;
+            report.tokens += ex.context_ids.len() + n;
+            let s_lp: Vec<f32> = student.logprobs.detach().to_vec1()?;
+
+            // The base model's log-probs of the logged tokens: the KL guard and KTO's reference.
+            let need_base = self.cfg.kl_penalty > 0.0 || (w.kto > 0.0 && ex.thumbs.is_some());
+            let base = if need_base {
+                report.tokens += ex.context_ids.len() + n;
+                Some(
+                    self.answer_pass(
+                        &ex.context_ids,
+                        &ex.answer_ids,
+                        &AdapterSelection::None,
+                        false,
+                    )?
+                    .logprobs,
+                )
+            } else {
+                None
+            };
+            if let Some(base_lp) = &base {
+                let kl = mean(&kl_to_base(&student.logprobs, base_lp)?)?;
+                let kl_val = kl.to_scalar::<f32>()? as f64;
+                kl_sum += kl_val;
+                if self.cfg.kl_penalty > 0.0 && kl_val > self.cfg.kl_budget {
+                    let pen = ((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?;
+                    note("kl_penalty", pen.to_scalar::<f32>()? as f64);
+                    add(pen)?;
+                }
+            }
+
+            // Teacher: the EMA policy shown the feedback, on the same answer tokens.
+            let teacher = match &ex.teacher_context_ids {
+                Some(tctx) if w.distill > 0.0 || w.dense > 0.0 => {
+                    report.tokens += tctx.len() + n;
+                    Some(self.answer_pass(
+                        tctx,
+                        &ex.answer_ids,
+                        &AdapterSelection::All(&self.teacher),
+                        false,
+                    )?)
+                }
+                _ => None,
+            };
+
+            if let (Some(t), true) = (&teacher, w.distill > 0.0) {
+                let d = mean(&distill_loss(
+                    &student.logits,
+                    &t.logits,
+                    self.cfg.top_k.min(t.logits.dim(1)?),
+                    self.cfg.divergence,
+                )?)?;
+                note("distill", d.to_scalar::<f32>()? as f64);
+                add((d * w.distill)?)?;
+            }
+
+            if w.dense > 0.0 && (teacher.is_some() || ex.reward.is_some()) {
+                let scalar_adv = match ex.reward {
+                    Some(r) => {
+                        let b = self.state.baselines.get(&ex.route).copied().unwrap_or(0.0);
+                        baseline_updates.push((ex.route.clone(), r));
+                        r - b
+                    }
+                    None => 0.0,
+                };
+                let adv = match &teacher {
+                    Some(t) => {
+                        let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
+                        for (a, b) in t_lp.iter().zip(&s_lp) {
+                            gap_sum += (*a - *b) as f64;
+                            gap_n += 1;
+                        }
+                        dense_advantages(&t_lp, &s_lp, scalar_adv, self.cfg.gap_clip)
+                    }
+                    None => vec![scalar_adv as f32; n],
+                };
+                advs.extend_from_slice(&adv);
+                let behaviour = ex.behaviour_logprobs.as_ref().map(|b| {
+                    // Unknown entries (NaN) are treated as on-policy: ratio 1.
+                    b.iter()
+                        .zip(&s_lp)
+                        .map(|(x, s)| if x.is_finite() { *x } else { *s })
+                        .collect::<Vec<f32>>()
+                });
+                let behaviour = match behaviour {
+                    Some(b) => Some(Tensor::from_vec(b, n, &dev)?),
+                    None => None,
+                };
+                let adv = Tensor::from_vec(adv, n, &dev)?;
+                let (pg, stats) = pg_loss(
+                    &student.logprobs,
+                    behaviour.as_ref(),
+                    &adv,
+                    self.cfg.ratio_clip,
+                )?;
+                clip_sum += stats.clip_fraction;
+                clip_n += 1;
+                let pg = mean(&pg)?;
+                note("dense", pg.to_scalar::<f32>()? as f64);
+                add((pg * w.dense)?)?;
+            }
+
+            if let (Some(up), Some(base_lp), true) = (ex.thumbs, &base, w.kto > 0.0) {
+                let seq = student.logprobs.sum_all()?;
+                let reference = base_lp.sum_all()?.to_scalar::<f32>()? as f64;
+                let r = seq.to_scalar::<f32>()? as f64 - reference;
+                z_updates.push(r.max(0.0));
+                let k = kto_loss(&seq, reference, up, self.state.kto_z, &self.cfg.kto)?;
+                note("kto", k.to_scalar::<f32>()? as f64);
+                add((k * w.kto)?)?;
+            }
+
+            if let (Some(corr), true) = (&ex.correction_ids, w.sft > 0.0) {
+                report.tokens += ex.context_ids.len() + corr.len();
+                let l = self.sft_loss(&ex.context_ids, corr)?;
+                note("sft", l.to_scalar::<f32>()? as f64);
+                add((l * w.sft)?)?;
+            }
+        }
+
+        let nb = batch.len() as f64;
+        report.kl_to_base = kl_sum / nb;
+        report.teacher_student_gap = (gap_n > 0).then(|| gap_sum / gap_n as f64);
+        if !advs.is_empty() {
+            let m = advs.iter().map(|x| *x as f64).sum::<f64>() / advs.len() as f64;
+            let var = advs.iter().map(|x| (*x as f64 - m).powi(2)).sum::<f64>() / advs.len() as f64;
+            report.advantage_mean = Some(m);
+            report.advantage_std = Some(var.sqrt());
+        }
+        report.clip_fraction = (clip_n > 0).then(|| clip_sum / clip_n as f64);
+        report.terms = term_sums
+            .iter()
+            .map(|(k, v)| (k.clone(), v / applied[k] as f64))
+            .collect();
+        report.applied = applied;
+
+        // Running statistics move whether or not the step is applied: they describe the data.
+        let rate = self.cfg.baseline_rate;
+        for (route, r) in baseline_updates {
+            let b = self.state.baselines.entry(route).or_insert(0.0);
+            *b = (1.0 - rate) * *b + rate * r;
+        }
+        for z in z_updates {
+            self.state.kto_z = 0.9 * self.state.kto_z + 0.1 * z;
+        }
+        self.state.examples += batch.len() as u64;
+        self.state.tokens += report.tokens as u64;
+
+        let Some(total) = total else {
+            // Nothing applied (e.g. only thumbs with KTO off): no step, not an error.
+            report.skipped = Some("no objective applied to this batch".into());
+            report.step = self.state.steps;
+            report.duration_ms = started.elapsed().as_millis() as u64;
+            return Ok(report);
+        };
+        let loss = (total / nb)?;
+        report.loss = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        if !report.loss.is_finite() {
+            return Ok(self.refuse(report, "non-finite loss", started));
+        }
+        let mut grads = loss.backward()?;
+        report.grad_norm = self
+            .policy
+            .clip_grad_norm(&mut grads, self.cfg.max_grad_norm)?;
+        if !report.grad_norm.is_finite() {
+            return Ok(self.refuse(report, "non-finite gradient", started));
+        }
+        let before = self.policy.snapshot("rollback", self.model.config())?;
+        self.opt.step(&self.policy, &grads)?;
+        if !all_finite(&self.policy)? {
+            // Put the weights back; the optimizer's moments already moved, so rebuild them from
+            // a clean slate rather than keep moments that produced non-finite weights.
+            restore(&self.policy, &before)?;
+            self.opt = AdamW::new(*self.opt.config())?;
+            return Ok(self.refuse(report, "non-finite weights after the update", started));
+        }
+        self.teacher
+            .ema_update(&self.policy, self.cfg.teacher_ema_rate)?;
+        self.state.steps += 1;
+        report.step = self.state.steps;
+        report.duration_ms = started.elapsed().as_millis() as u64;
+        debug!(
+            loss = report.loss,
+            kl = report.kl_to_base,
+            grad_norm = report.grad_norm,
+            "Step."
+        );
+        Ok(report)
+    }
+
+    fn refuse(&mut self, mut report: StepReport, why: &str, started: Instant) -> StepReport {
+        warn!(reason = why, "Training step refused; weights unchanged.");
+        self.state.skipped_steps += 1;
+        report.skipped = Some(why.to_string());
+        report.step = self.state.steps;
+        report.duration_ms = started.elapsed().as_millis() as u64;
+        report
+    }
+
+    /// A frozen copy of the policy under `name` (a candidate to publish).
+    pub fn snapshot_policy(&self, name: &str) -> Result<Adapter> {
+        self.policy.snapshot(name, self.model.config())
+    }
+
+    /// Writes policy, teacher and optimizer state into `dir` (which must exist):
+    /// `policy.safetensors`, `teacher.safetensors`, `optimizer.safetensors`, `trainer.json`.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        candle_core::safetensors::save(&self.policy.tensors()?, dir.join("policy.safetensors"))?;
+        candle_core::safetensors::save(&self.teacher.tensors()?, dir.join("teacher.safetensors"))?;
+        self.opt.save(&dir.join("optimizer.safetensors"))?;
+        let path = dir.join("trainer.json");
+        let text = serde_json::to_vec_pretty(&self.state)
+            .map_err(|e| LearnerError::json("trainer state", e))?;
+        std::fs::write(&path, text).map_err(|e| LearnerError::io(&path, e))?;
+        Ok(())
+    }
+
+    /// Restores what [`Trainer::save`] wrote (same configuration) into this trainer.
+    pub fn load(&mut self, dir: &Path) -> Result<()> {
+        let dev = self.model.device().clone();
+        load_into(&self.policy, &dir.join("policy.safetensors"), &dev)?;
+        load_into(&self.teacher, &dir.join("teacher.safetensors"), &dev)?;
+        self.opt = AdamW::load(self.cfg.optimizer, &dir.join("optimizer.safetensors"), &dev)?;
+        let path = dir.join("trainer.json");
+        let text = std::fs::read(&path).map_err(|e| LearnerError::io(&path, e))?;
+        self.state =
+            serde_json::from_slice(&text).map_err(|e| LearnerError::json("trainer state", e))?;
+        Ok(())
+    }
+}
+
+fn all_finite(a: &Adapter) -> Result<bool> {
+    for t in a.tensors()?.values() {
+        let s = t
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
+        if !s.is_finite() {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+fn restore(into: &Adapter, from: &Adapter) -> Result<()> {
+    let src = from.tensors()?;
+    let data = into
+        .varmap()
+        .data()
+        .lock()
+        .map_err(|_| LearnerError::InvalidAdapter("poisoned var map".into()))?;
+    for (k, v) in data.iter() {
+        let t = src
+            .get(k)
+            .ok_or_else(|| LearnerError::InvalidAdapter(format!("{k} missing in snapshot")))?;
+        v.set(t)?;
+    }
+    Ok(())
+}
+
+fn load_into(adapter: &Adapter, path: &Path, dev: &Device) -> Result<()> {
+    let tensors = candle_core::safetensors::load(path, dev)?;
+    let data = adapter
+        .varmap()
+        .data()
+        .lock()
+        .map_err(|_| LearnerError::InvalidAdapter("poisoned var map".into()))?;
+    if tensors.len() != data.len() {
+        return Err(LearnerError::InvalidAdapter(format!(
+            "{} holds {} tensors, the adapter has {}",
+            path.display(),
+            tensors.len(),
+            data.len()
+        )));
+    }
+    for (k, v) in data.iter() {
+        let t = tensors.get(k).ok_or_else(|| {
+            LearnerError::InvalidAdapter(format!("{k} missing in {}", path.display()))
+        })?;
+        if t.dims() != v.dims() {
+            return Err(LearnerError::InvalidAdapter(format!(
+                "{k} has shape {:?} in {}, expected {:?}",
+                t.dims(),
+                path.display(),
+                v.dims()
+            )));
+        }
+        v.set(&t.to_dtype(v.dtype())?)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Architecture, ModelConfig};
+
+    fn model() -> Arc<Model> {
+        let mut cfg = ModelConfig::tiny(Architecture::Llama);
+        cfg.vocab_size = 32;
+        Arc::new(Model::random(cfg, 3, DType::F32, &Device::Cpu).unwrap())
+    }
+
+    fn example(i: u32, correction: bool, teacher: bool, thumbs: Option<bool>) -> TrainExample {
+        TrainExample {
+            record_id: uuid::Uuid::now_v7(),
+            turn: uuid::Uuid::now_v7(),
+            route: "default".into(),
+            adapter: None,
+            context_ids: vec![1, 2, 3 + i % 5, 4],
+            answer_ids: vec![7, 8, 9],
+            behaviour_logprobs: None,
+            teacher_context_ids: teacher.then(|| vec![1, 2, 3 + i % 5, 20, 21, 4]),
+            correction_ids: correction.then(|| vec![10, 11, 12]),
+            thumbs,
+            reward: thumbs.map(|t| if t { 1.0 } else { -1.0 }),
+            feedback_text: teacher.then(|| "fix it".into()),
+            feedback_ids: vec![],
+        }
+    }
+
+    fn weights(sft: f64, kto: f64, distill: f64, dense: f64) -> TrainerConfig {
+        TrainerConfig {
+            objectives: ObjectiveWeights {
+                sft,
+                kto,
+                distill,
+                dense,
+            },
+            optimizer: AdamWConfig {
+                lr: 1e-2,
+                ..Default::default()
+            },
+            top_k: 8,
+            ..Default::default()
+        }
+    }
+
+    fn logprob_of(tr: &Trainer, ctx: &[u32], ans: &[u32]) -> f64 {
+        tr.answer_pass(ctx, ans, &AdapterSelection::All(tr.policy()), false)
+            .unwrap()
+            .logprobs
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap() as f64
+    }
+
+    #[test]
+    fn sft_raises_the_likelihood_of_the_correction() {
+        let mut tr = Trainer::new(model(), weights(1.0, 0.0, 0.0, 0.0), "p").unwrap();
+        let ex = example(0, true, false, Some(false));
+        let before = logprob_of(&tr, &ex.context_ids, &[10, 11, 12]);
+        for _ in 0..5 {
+            let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+            assert!(r.skipped.is_none(), "{r:?}");
+            assert_eq!(r.applied.get("sft"), Some(&1));
+        }
+        let after = logprob_of(&tr, &ex.context_ids, &[10, 11, 12]);
+        assert!(
+            after > before + 0.5,
+            "log p(correction): {before} -> {after}"
+        );
+        assert_eq!(tr.state().steps, 5);
+    }
+
+    #[test]
+    fn kto_moves_thumbs_up_answers_up_and_thumbs_down_answers_down() {
+        for up in [true, false] {
+            let mut cfg = weights(0.0, 1.0, 0.0, 0.0);
+            cfg.kto.beta = 1.0;
+            cfg.kl_penalty = 0.0;
+            let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+            let ex = example(1, false, false, Some(up));
+            let before = logprob_of(&tr, &ex.context_ids, &ex.answer_ids);
+            for _ in 0..5 {
+                tr.step(std::slice::from_ref(&ex)).unwrap();
+            }
+            let after = logprob_of(&tr, &ex.context_ids, &ex.answer_ids);
+            assert_eq!(after > before, up, "thumbs {up}: {before} -> {after}");
+        }
+    }
+
+    #[test]
+    fn self_distillation_moves_the_student_towards_the_teacher() {
+        // A teacher that differs from the student: give it its own random weights.
+        let m = model();
+        let mut tr = Trainer::new(m.clone(), weights(0.0, 0.0, 1.0, 0.0), "p").unwrap();
+        let ex = example(2, false, true, None);
+        let tctx = ex.teacher_context_ids.clone().unwrap();
+        let teacher_lp = |tr: &Trainer| -> Vec<f32> {
+            tr.answer_pass(
+                &tctx,
+                &ex.answer_ids,
+                &AdapterSelection::All(tr.teacher()),
+                false,
+            )
+            .unwrap()
+            .logprobs
+            .to_vec1()
+            .unwrap()
+        };
+        let gap = |tr: &Trainer| -> f64 {
+            let s: Vec<f32> = tr
+                .answer_pass(
+                    &ex.context_ids,
+                    &ex.answer_ids,
+                    &AdapterSelection::All(tr.policy()),
+                    false,
+                )
+                .unwrap()
+                .logprobs
+                .to_vec1()
+                .unwrap();
+            teacher_lp(tr)
+                .iter()
+                .zip(&s)
+                .map(|(t, s)| (*t as f64 - *s as f64).abs())
+                .sum()
+        };
+        let d0 = tr.step(std::slice::from_ref(&ex)).unwrap().terms["distill"];
+        assert!(
+            d0 > 0.0,
+            "teacher context differs, so the divergence is positive"
+        );
+        let g0 = gap(&tr);
+        let mut last = d0;
+        for _ in 0..10 {
+            last = tr.step(std::slice::from_ref(&ex)).unwrap().terms["distill"];
+        }
+        assert!(last < d0, "divergence {d0} -> {last}");
+        assert!(gap(&tr) < g0, "student log-probs approach the teacher's");
+    }
+
+    #[test]
+    fn dense_rewards_follow_the_sign_of_the_feedback() {
+        for up in [true, false] {
+            let mut cfg = weights(0.0, 0.0, 0.0, 1.0);
+            cfg.kl_penalty = 0.0;
+            let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+            let ex = example(3, false, false, Some(up));
+            let before = logprob_of(&tr, &ex.context_ids, &ex.answer_ids);
+            for _ in 0..5 {
+                let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+                assert!(r.advantage_mean.is_some());
+            }
+            let after = logprob_of(&tr, &ex.context_ids, &ex.answer_ids);
+            assert_eq!(after > before, up, "reward sign {up}: {before} -> {after}");
+            assert!(
+                tr.state().baselines["default"] != 0.0,
+                "the baseline tracks rewards"
+            );
+        }
+    }
+
+    #[test]
+    fn non_finite_losses_are_refused_and_leave_weights_untouched() {
+        let mut tr = Trainer::new(model(), weights(0.0, 0.0, 0.0, 1.0), "p").unwrap();
+        let mut ex = example(4, false, false, Some(true));
+        ex.reward = Some(f64::NAN);
+        let before = tr.snapshot_policy("b").unwrap().tensors().unwrap();
+        let r = tr.step(&[ex]).unwrap();
+        assert!(r.skipped.is_some(), "{r:?}");
+        assert_eq!(tr.state().skipped_steps, 1);
+        for (k, t) in tr.policy().tensors().unwrap() {
+            let d = (t - &before[&k]).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{k} changed");
+        }
+    }
+
+    #[test]
+    fn kl_budget_penalty_applies_only_above_the_budget() {
+        let mut cfg = weights(1.0, 0.0, 0.0, 0.0);
+        cfg.kl_budget = 0.0;
+        cfg.kl_penalty = 1.0;
+        let mut tr = Trainer::new(model(), cfg.clone(), "p").unwrap();
+        let ex = example(5, true, false, Some(false));
+        let first = tr.step(std::slice::from_ref(&ex)).unwrap();
+        assert!(
+            first.kl_to_base.abs() < 1e-6,
+            "a fresh adapter is the base model"
+        );
+        let mut later = first.clone();
+        for _ in 0..4 {
+            later = tr.step(std::slice::from_ref(&ex)).unwrap();
+        }
+        assert!(later.kl_to_base > 0.0);
+        assert!(later.terms.contains_key("kl_penalty"), "{later:?}");
+        cfg.kl_budget = 1e9;
+        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        for _ in 0..5 {
+            let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+            assert!(!r.terms.contains_key("kl_penalty"));
+        }
+    }
+
+    #[test]
+    fn save_and_load_resume_identically() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = weights(1.0, 1.0, 1.0, 1.0);
+        let batch = vec![
+            example(6, true, true, Some(false)),
+            example(7, false, true, Some(true)),
+        ];
+        let mut a = Trainer::new(model(), cfg.clone(), "p").unwrap();
+        for _ in 0..3 {
+            a.step(&batch).unwrap();
+        }
+        a.save(dir.path()).unwrap();
+        let mut b = Trainer::new(model(), cfg, "p").unwrap();
+        b.load(dir.path()).unwrap();
+        assert_eq!(a.state(), b.state());
+        let ra = a.step(&batch).unwrap();
+        let rb = b.step(&batch).unwrap();
+        assert_eq!(ra.loss, rb.loss);
+        for (k, t) in a.policy().tensors().unwrap() {
+            let d = (t - &b.policy().tensors().unwrap()[&k])
+                .unwrap()
+                .abs()
+                .unwrap();
+            assert_eq!(d.max_all().unwrap().to_scalar::<f32>().unwrap(), 0.0, "{k}");
+        }
+    }
+}
