@@ -48,6 +48,21 @@ enum Command {
     Eval(hindsight_eval::EvalArgs),
     /// Print records of a Hindsight topic as JSON lines.
     Tail(TailArgs),
+    /// The online learner: trains a LoRA adapter from hindsight.episodes, registers
+    /// candidates and publishes them through the eval gate.
+    Learner(LearnerCliArgs),
+    /// Read the adapter registry: list, show and diff versions.
+    Adapters(hindsight_learner::registry::AdaptersArgs),
+}
+
+/// `hindsight learner`.
+#[derive(Debug, clap::Args)]
+struct LearnerCliArgs {
+    #[command(flatten)]
+    args: hindsight_learner::online::LearnerArgs,
+    /// Serve Prometheus metrics on this address (`/metrics`), e.g. 127.0.0.1:9465.
+    #[arg(long)]
+    metrics_listen: Option<String>,
 }
 
 /// `hindsight feedback`: config sections `[log]` and `[feedback]`.
@@ -246,6 +261,39 @@ async fn run_tail(args: TailArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn run_learner(cli: LearnerCliArgs) -> anyhow::Result<()> {
+    use hindsight_learner::online::{run_learner, LearnerFile, LearnerSetup};
+    let file: LearnerFile = hindsight_proxy::load_toml(
+        cli.args.config.as_deref(),
+        std::env::vars(),
+        &["log", "learner", "registry", "publish"],
+    )?;
+    if let Some(addr) = &cli.metrics_listen {
+        let handle = hindsight_proxy::prometheus()
+            .context("another metrics recorder is installed; cannot export metrics")?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding {addr}"))?;
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let h = handle.clone();
+                async move { h.render() }
+            }),
+        );
+        tokio::spawn(async move { axum::serve(listener, app).await });
+    }
+    let setup = LearnerSetup {
+        learner: file.learner,
+        log: file.log.validate()?,
+        registry: file.registry,
+        publish: file.publish,
+    };
+    let summary = run_learner(setup, shutdown_signal(), None).await?;
+    println!("{}", serde_json::to_string_pretty(&summary)?);
+    Ok(())
+}
+
 async fn run_eval(args: hindsight_eval::EvalArgs) -> anyhow::Result<()> {
     hindsight_eval::run_eval_cli(args).await?;
     Ok(())
@@ -262,5 +310,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Join(args) => run_join(args).await,
         Command::Eval(args) => run_eval(args).await,
         Command::Tail(args) => run_tail(args).await,
+        Command::Learner(args) => run_learner(args).await,
+        Command::Adapters(args) => Ok(hindsight_learner::registry::run_adapters(args).await?),
     }
 }

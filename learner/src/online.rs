@@ -1,0 +1,877 @@
+//! `hindsight learner`: the online loop.
+//!
+//! It consumes `hindsight.episodes` as a consumer group, turns records into examples
+//! ([`crate::example`]), micro-batches them by token budget, steps the trainer, checkpoints, and
+//! every N batches, M examples or T minutes snapshots a candidate adapter into the registry and
+//! publishes it through the eval gate ([`crate::publish`]).
+//!
+//! **Exactly once.** A checkpoint holds the trainer and the Kafka position after the last record
+//! its state includes. Offsets are committed to Kafka only after the checkpoint is durable, and
+//! on start the loop resumes from the checkpoint and ignores records before its positions (they
+//! are already in the weights even if the commit did not happen). Records read after the last
+//! checkpoint are neither in the weights nor committed, so they are read again. Killing the
+//! process at any instant therefore neither loses nor repeats an example; the crash test kills
+//! it with SIGKILL and checks the trained record ids.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use hindsight_feedback::{
+    ensure_topics, now_ms, EpisodeRecord, LogError, Positions, RawRecord, Topic, TopicReader,
+    ValidatedLogConfig,
+};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tracing::{info, info_span, warn, Instrument};
+use uuid::Uuid;
+
+use crate::checkpoint::{CheckpointStore, LoopState};
+use crate::error::LearnerError;
+use crate::example::{build_example, ExampleConfig, SkipReason, TrainExample};
+use crate::loader::ModelBundle;
+use crate::lora::Adapter;
+use crate::publish::{gate_and_publish, GateVerdict, PublishConfig, PublishError};
+use crate::registry::{
+    sha256_file, NewVersion, OffsetRange, Registry, RegistryConfig, RegistryError, VersionEntry,
+};
+use crate::trainer::{StepReport, Trainer, TrainerConfig};
+
+/// The `[learner]` section.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LearnerConfig {
+    /// Base model: a `.gguf` file or an HF directory.
+    #[serde(default = "default_model_path")]
+    pub model_path: PathBuf,
+    /// The base model's name at the serving endpoint (default: the file name without
+    /// `.gguf`, as `hindsight serve` names it).
+    #[serde(default)]
+    pub base_model_name: Option<String>,
+    /// The adapter this learner trains and publishes.
+    #[serde(default = "default_adapter_name")]
+    pub adapter_name: String,
+    /// Kafka consumer group.
+    #[serde(default = "default_group_id")]
+    pub group_id: String,
+    /// Checkpoint directory.
+    #[serde(default = "default_checkpoint_dir")]
+    pub checkpoint_dir: PathBuf,
+    /// Checkpoints kept.
+    #[serde(default = "default_keep_checkpoints")]
+    pub keep_checkpoints: usize,
+    /// JSONL run log (one line per batch, checkpoint, candidate); none when empty.
+    #[serde(default = "default_run_log")]
+    pub run_log: PathBuf,
+    /// Token budget of a micro-batch (sum of the forward passes' tokens).
+    #[serde(default = "default_token_budget")]
+    pub token_budget: usize,
+    /// Examples per micro-batch at most.
+    #[serde(default = "default_max_batch_examples")]
+    pub max_batch_examples: usize,
+    /// How long a partial micro-batch waits for more examples, in milliseconds.
+    #[serde(default = "default_max_batch_wait_ms")]
+    pub max_batch_wait_ms: u64,
+    /// Checkpoint (and commit offsets) every this many micro-batches.
+    #[serde(default = "one")]
+    pub checkpoint_every_batches: u64,
+    /// Snapshot a candidate every this many micro-batches (0 = never by batches).
+    #[serde(default = "default_candidate_every_batches")]
+    pub candidate_every_batches: u64,
+    /// Snapshot a candidate every this many trained examples (0 = never by examples).
+    #[serde(default)]
+    pub candidate_every_examples: u64,
+    /// Snapshot a candidate at least this often while training, in milliseconds (0 = never).
+    #[serde(default = "default_candidate_every_ms")]
+    pub candidate_every_ms: u64,
+    /// Data from an adapter more than this many versions behind live is dropped.
+    #[serde(default = "default_max_staleness_versions")]
+    pub max_staleness_versions: u64,
+    /// Stop after this many trained examples (benchmarks and tests; none = run until stopped).
+    #[serde(default)]
+    pub max_examples: Option<u64>,
+    /// Stop after this many episode records (trained or skipped) have been consumed.
+    #[serde(default)]
+    pub max_records: Option<u64>,
+    /// The trainer.
+    #[serde(default)]
+    pub trainer: TrainerConfig,
+    /// Example building.
+    #[serde(default)]
+    pub examples: ExampleConfig,
+}
+
+fn default_model_path() -> PathBuf {
+    PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+fn default_adapter_name() -> String {
+    "hindsight".into()
+}
+fn default_group_id() -> String {
+    "hindsight-learner".into()
+}
+fn default_checkpoint_dir() -> PathBuf {
+    PathBuf::from("data/learner")
+}
+fn default_keep_checkpoints() -> usize {
+    2
+}
+fn default_run_log() -> PathBuf {
+    PathBuf::from("data/learner/run.jsonl")
+}
+fn default_token_budget() -> usize {
+    4096
+}
+fn default_max_batch_examples() -> usize {
+    8
+}
+fn default_max_batch_wait_ms() -> u64 {
+    2_000
+}
+fn one() -> u64 {
+    1
+}
+fn default_candidate_every_batches() -> u64 {
+    50
+}
+fn default_candidate_every_ms() -> u64 {
+    600_000
+}
+fn default_max_staleness_versions() -> u64 {
+    3
+}
+
+impl Default for LearnerConfig {
+    fn default() -> Self {
+        // Every field has a serde default.
+        serde_json::from_value(json!({})).unwrap_or_else(|_| unreachable_default())
+    }
+}
+
+#[allow(clippy::panic)]
+fn unreachable_default() -> LearnerConfig {
+    // Only reachable if a serde default above were removed; caught by the unit test.
+    panic!("LearnerConfig has a field without a default")
+}
+
+impl LearnerConfig {
+    /// Checks the settings once at start-up.
+    pub fn validate(&self) -> Result<(), OnlineError> {
+        let bad = |m: &str| Err(OnlineError::Config(m.to_string()));
+        if self.adapter_name.is_empty() || self.adapter_name.contains(['/', '@', ' ']) {
+            return bad("adapter_name must be non-empty without '/', '@' or spaces");
+        }
+        if self.group_id.is_empty() {
+            return bad("group_id must not be empty");
+        }
+        if self.token_budget == 0 || self.max_batch_examples == 0 {
+            return bad("token_budget and max_batch_examples must be >= 1");
+        }
+        if self.checkpoint_every_batches == 0 {
+            return bad("checkpoint_every_batches must be >= 1");
+        }
+        self.trainer.check()?;
+        Ok(())
+    }
+
+    fn served_base_name(&self) -> String {
+        self.base_model_name.clone().unwrap_or_else(|| {
+            let stem = self
+                .model_path
+                .file_name()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            stem.strip_suffix(".gguf").unwrap_or(&stem).to_string()
+        })
+    }
+}
+
+/// Everything that stops the learner.
+#[derive(Debug, thiserror::Error)]
+pub enum OnlineError {
+    /// A setting is invalid.
+    #[error("learner config: {0}")]
+    Config(String),
+    /// The model or a training step failed.
+    #[error(transparent)]
+    Learner(#[from] LearnerError),
+    /// Kafka.
+    #[error(transparent)]
+    Log(#[from] LogError),
+    /// The registry.
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// Publishing.
+    #[error(transparent)]
+    Publish(#[from] PublishError),
+    /// The run log could not be written.
+    #[error("run log {path}: {source}")]
+    RunLog {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A blocking task panicked or was cancelled.
+    #[error("training thread failed: {0}")]
+    Thread(String),
+}
+
+/// Where the learner publishes (both optional: without a registry candidates are not kept).
+#[derive(Debug, Clone)]
+pub struct LearnerSetup {
+    /// `[learner]`.
+    pub learner: LearnerConfig,
+    /// `[log]`: brokers and topic names.
+    pub log: ValidatedLogConfig,
+    /// `[registry]`, if candidates are registered.
+    pub registry: Option<RegistryConfig>,
+    /// `[publish]`, if candidates are gated and loaded into serving.
+    pub publish: Option<PublishConfig>,
+}
+
+/// One candidate the loop produced.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateReport {
+    /// Registry version.
+    pub version: u64,
+    /// Examples trained on when it was snapshotted.
+    pub examples: u64,
+    /// Micro-batches when it was snapshotted.
+    pub batches: u64,
+    /// The gate's verdict, if a gate ran.
+    pub verdict: Option<GateVerdict>,
+    /// Registry status after publishing.
+    pub status: String,
+}
+
+/// What the learner reports while it runs (for benchmarks and `hindsight up`).
+#[derive(Debug, Clone)]
+pub enum LearnerEvent {
+    /// A micro-batch was processed.
+    Step(Box<StepReport>),
+    /// A candidate was registered (and published when configured).
+    Candidate(CandidateReport),
+    /// A record was skipped.
+    Skipped(SkipReason),
+}
+
+/// Totals when the loop stops.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LearnerSummary {
+    /// Micro-batches processed.
+    pub batches: u64,
+    /// Optimizer steps applied.
+    pub steps: u64,
+    /// Steps refused by a guard.
+    pub refused_steps: u64,
+    /// Examples trained on.
+    pub examples: u64,
+    /// Records consumed.
+    pub records: u64,
+    /// Skipped records by reason.
+    pub skipped: BTreeMap<String, u64>,
+    /// Candidates produced.
+    pub candidates: Vec<CandidateReport>,
+    /// Wall time, ms.
+    pub duration_ms: u64,
+}
+
+fn key(topic: &str, partition: i32) -> String {
+    format!("{topic}/{partition}")
+}
+
+fn to_positions(map: &BTreeMap<String, i64>) -> Positions {
+    map.iter()
+        .filter_map(|(k, v)| {
+            let (t, p) = k.rsplit_once('/')?;
+            Some(((t.to_string(), p.parse().ok()?), *v))
+        })
+        .collect()
+}
+
+/// The JSONL run log.
+struct RunLog {
+    file: Option<(PathBuf, std::fs::File)>,
+}
+
+impl RunLog {
+    fn open(path: &Path) -> Result<Self, OnlineError> {
+        if path.as_os_str().is_empty() {
+            return Ok(Self { file: None });
+        }
+        let err = |source| OnlineError::RunLog {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(err)?;
+        }
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(err)?;
+        Ok(Self {
+            file: Some((path.to_path_buf(), f)),
+        })
+    }
+
+    fn write(&mut self, mut value: serde_json::Value) -> Result<(), OnlineError> {
+        let Some((path, f)) = self.file.as_mut() else {
+            return Ok(());
+        };
+        if let Some(obj) = value.as_object_mut() {
+            obj.insert("time_ms".into(), json!(now_ms()));
+        }
+        let mut line = value.to_string();
+        line.push('\n');
+        f.write_all(line.as_bytes())
+            .and_then(|_| f.flush())
+            .map_err(|source| OnlineError::RunLog {
+                path: path.clone(),
+                source,
+            })
+    }
+}
+
+/// Runs the learner until `shutdown` resolves or a configured limit is reached. Events go to
+/// `events` when given.
+pub async fn run_learner(
+    setup: LearnerSetup,
+    shutdown: impl Future<Output = ()>,
+    events: Option<mpsc::UnboundedSender<LearnerEvent>>,
+) -> Result<LearnerSummary, OnlineError> {
+    let cfg = setup.learner.clone();
+    cfg.validate()?;
+    let started = Instant::now();
+    let mut run_log = RunLog::open(&cfg.run_log)?;
+
+    // The model, loaded once, f32 for training (never the quantized inference copies).
+    let model_path = cfg.model_path.clone();
+    let bundle = tokio::task::spawn_blocking(move || {
+        ModelBundle::load(&model_path, DType::F32, &Device::Cpu)
+    })
+    .await
+    .map_err(|e| OnlineError::Thread(e.to_string()))??;
+    let template = bundle.chat_template.ok_or_else(|| {
+        OnlineError::Config(format!(
+            "{} carries no chat template; the learner must render prompts exactly as served",
+            cfg.model_path.display()
+        ))
+    })?;
+    let tokenizer = bundle.tokenizer.clone();
+    let end_of_turn = tokenizer
+        .token_to_id("<|im_end|>")
+        .or_else(|| bundle.eos_token_ids.first().copied())
+        .ok_or_else(|| OnlineError::Config("the model has no end-of-turn token".into()))?;
+    let model_cfg = bundle.config.clone();
+    let model = Arc::new(bundle.model);
+
+    let registry = match &setup.registry {
+        Some(r) => Some(Registry::connect(r.clone()).await?),
+        None => None,
+    };
+    let base_sha = {
+        let p = cfg.model_path.clone();
+        tokio::task::spawn_blocking(move || {
+            if p.is_file() {
+                sha256_file(&p)
+            } else {
+                sha256_file(&p.join("config.json"))
+            }
+        })
+        .await
+        .map_err(|e| OnlineError::Thread(e.to_string()))??
+    };
+
+    // The trainer: from the latest checkpoint, else from the live adapter, else fresh.
+    let live = match &registry {
+        Some(r) => r.live(&cfg.adapter_name).await?,
+        None => None,
+    };
+    let mut trainer = match &live {
+        Some(entry) => {
+            let adapter = Adapter::load_peft(
+                &entry.path,
+                cfg.adapter_name.clone(),
+                &model_cfg,
+                &Device::Cpu,
+            )?;
+            Trainer::with_policy(model.clone(), cfg.trainer.clone(), adapter)?
+        }
+        None => Trainer::new(model.clone(), cfg.trainer.clone(), &cfg.adapter_name)?,
+    };
+    let store = CheckpointStore::open(&cfg.checkpoint_dir, cfg.keep_checkpoints)?;
+    let mut state = match store.restore(&mut trainer)? {
+        Some(s) => {
+            info!(
+                seq = s.seq,
+                batches = s.batches,
+                examples = s.examples,
+                "Resumed from checkpoint."
+            );
+            s
+        }
+        None => LoopState {
+            candidate_at_ms: now_ms(),
+            live_version: live.as_ref().map(|e| e.version),
+            ..Default::default()
+        },
+    };
+    if let Some(entry) = &live {
+        state.live_version = Some(state.live_version.unwrap_or(0).max(entry.version));
+    }
+    run_log.write(json!({
+        "event": "start",
+        "checkpoint_seq": state.seq,
+        "batches": state.batches,
+        "examples": state.examples,
+        "positions": state.positions,
+        "live_version": state.live_version,
+    }))?;
+
+    let topic = setup.log.topics().get(Topic::Episodes).to_string();
+    ensure_topics(
+        &setup.log.client_config(),
+        std::slice::from_ref(&topic),
+        setup.log.raw().topic_partitions,
+        setup.log.raw().topic_replication,
+        Duration::from_secs(30),
+    )
+    .await?;
+    let reader = TopicReader::new(&setup.log, &cfg.group_id, &[Topic::Episodes])?;
+    info!(topic = %topic, group = %cfg.group_id, adapter = %cfg.adapter_name, "Learner consuming episodes.");
+
+    let mut summary = LearnerSummary::default();
+    let emit = |e: LearnerEvent| {
+        if let Some(tx) = &events {
+            let _ = tx.send(e);
+        }
+    };
+    tokio::pin!(shutdown);
+    let wait = Duration::from_millis(cfg.max_batch_wait_ms);
+    let mut batches_since_ckpt = 0u64;
+    let mut trainer_slot = Some(trainer);
+    let mut last_rate = Instant::now();
+    let (mut rate_examples, mut rate_tokens) = (0u64, 0u64);
+
+    'outer: loop {
+        // Gather one micro-batch.
+        let mut batch: Vec<TrainExample> = Vec::new();
+        let mut batch_ids: Vec<Uuid> = Vec::new();
+        let mut cost = 0usize;
+        let mut pending = state.positions.clone();
+        let mut records_in_batch = 0u64;
+        let deadline = Instant::now() + wait;
+        let mut stop = false;
+        loop {
+            if let Some(max) = cfg.max_examples {
+                if state.examples + batch.len() as u64 >= max {
+                    stop = true;
+                    break;
+                }
+            }
+            if let Some(max) = cfg.max_records {
+                if state.records + records_in_batch >= max {
+                    stop = true;
+                    break;
+                }
+            }
+            if batch.len() >= cfg.max_batch_examples || cost >= cfg.token_budget {
+                break;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() && !batch.is_empty() {
+                break;
+            }
+            let got: Option<RawRecord> = tokio::select! {
+                biased;
+                () = &mut shutdown => { stop = true; break; }
+                r = reader.recv_timeout(if batch.is_empty() { wait } else { left }) => r?,
+            };
+            let Some(raw) = got else { continue };
+            let k = key(&raw.topic, raw.partition);
+            if raw.offset < state.positions.get(&k).copied().unwrap_or(0) {
+                continue; // already in the checkpoint's weights
+            }
+            pending.insert(k, raw.offset + 1);
+            records_in_batch += 1;
+            let outcome = match raw.decode::<EpisodeRecord>() {
+                Ok(rec) => prepare(&rec, &state, &cfg, &tokenizer, &template, end_of_turn),
+                Err(e) => {
+                    warn!(error = %e, "Malformed episode record; skipped.");
+                    Err("malformed")
+                }
+            };
+            match outcome {
+                Ok(ex) => {
+                    cost += ex.cost_tokens();
+                    batch_ids.push(ex.record_id);
+                    batch.push(ex);
+                }
+                Err(reason) => {
+                    *state.skipped.entry(reason.to_string()).or_default() += 1;
+                    metrics::counter!("hindsight_learner_records_skipped_total", "reason" => reason)
+                        .increment(1);
+                    if let Some(r) = skip_reason(reason) {
+                        emit(LearnerEvent::Skipped(r));
+                    }
+                }
+            }
+        }
+
+        if !batch.is_empty() {
+            // Train (CPU-bound: off the async runtime).
+            let mut tr = trainer_slot
+                .take()
+                .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
+            let b = batch;
+            let (tr, b, result) = tokio::task::spawn_blocking(move || {
+                let r = tr.step(&b);
+                (tr, b, r)
+            })
+            .instrument(info_span!("learner_batch", batch = state.batches + 1))
+            .await
+            .map_err(|e| OnlineError::Thread(e.to_string()))?;
+            trainer_slot = Some(tr);
+            let report = result?;
+            for ex in &b {
+                state.remember(ex.record_id, ex.turn, &ex.feedback_ids);
+            }
+            state.examples += b.len() as u64;
+            state.batches += 1;
+            batches_since_ckpt += 1;
+            rate_examples += b.len() as u64;
+            rate_tokens += report.tokens as u64;
+            record_metrics(&report);
+            let secs = last_rate.elapsed().as_secs_f64().max(1e-3);
+            let (eps, tps) = (rate_examples as f64 / secs, rate_tokens as f64 / secs);
+            metrics::gauge!("hindsight_learner_examples_per_second").set(eps);
+            metrics::gauge!("hindsight_learner_tokens_per_second").set(tps);
+            if secs > 30.0 {
+                last_rate = Instant::now();
+                rate_examples = 0;
+                rate_tokens = 0;
+            }
+            info!(
+                batch = state.batches,
+                step = report.step,
+                examples = state.examples,
+                loss = format!("{:.4}", report.loss),
+                kl = format!("{:.4}", report.kl_to_base),
+                grad_norm = format!("{:.3}", report.grad_norm),
+                tokens_per_s = format!("{tps:.0}"),
+                skipped = report.skipped.as_deref().unwrap_or(""),
+                "Trained a micro-batch."
+            );
+            run_log.write(json!({
+                "event": "batch",
+                "batch": state.batches,
+                "record_ids": batch_ids,
+                "report": report,
+            }))?;
+            emit(LearnerEvent::Step(Box::new(report)));
+        }
+        state.records += records_in_batch;
+        let moved = pending != state.positions;
+        state.positions = pending;
+
+        // Checkpoint, then commit: the order that makes a crash safe.
+        if batches_since_ckpt >= cfg.checkpoint_every_batches
+            || (moved && batches_since_ckpt == 0)
+            || (stop && (batches_since_ckpt > 0 || moved))
+        {
+            checkpoint(&store, &mut trainer_slot, &mut state, &mut run_log).await?;
+            reader.commit_offsets(&to_positions(&state.positions))?;
+            batches_since_ckpt = 0;
+        }
+
+        // Candidate?
+        let since_batches = state.batches - state.candidate_batches;
+        let since_examples = state.examples - state.candidate_examples;
+        let due = since_examples > 0
+            && ((cfg.candidate_every_batches > 0 && since_batches >= cfg.candidate_every_batches)
+                || (cfg.candidate_every_examples > 0
+                    && since_examples >= cfg.candidate_every_examples)
+                || (cfg.candidate_every_ms > 0
+                    && now_ms() - state.candidate_at_ms >= cfg.candidate_every_ms as i64)
+                || stop);
+        if due {
+            if let Some(reg) = &registry {
+                if batches_since_ckpt > 0 {
+                    checkpoint(&store, &mut trainer_slot, &mut state, &mut run_log).await?;
+                    reader.commit_offsets(&to_positions(&state.positions))?;
+                    batches_since_ckpt = 0;
+                }
+                let tr = trainer_slot
+                    .as_ref()
+                    .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
+                let report = candidate(
+                    reg,
+                    setup.publish.as_ref(),
+                    tr,
+                    &mut state,
+                    &cfg,
+                    &base_sha,
+                    &topic,
+                )
+                .await?;
+                run_log.write(json!({"event": "candidate", "candidate": report}))?;
+                summary.candidates.push(report.clone());
+                emit(LearnerEvent::Candidate(report));
+                // The candidate bookkeeping belongs in the checkpoint too.
+                checkpoint(&store, &mut trainer_slot, &mut state, &mut run_log).await?;
+                reader.commit_offsets(&to_positions(&state.positions))?;
+            }
+        }
+        if stop {
+            break 'outer;
+        }
+    }
+
+    let tr = trainer_slot
+        .as_ref()
+        .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
+    summary.batches = state.batches;
+    summary.steps = tr.state().steps;
+    summary.refused_steps = tr.state().skipped_steps;
+    summary.examples = state.examples;
+    summary.records = state.records;
+    summary.skipped = state.skipped.clone();
+    summary.duration_ms = started.elapsed().as_millis() as u64;
+    run_log.write(json!({"event": "stop", "summary": summary}))?;
+    info!(?summary, "Learner stopped.");
+    Ok(summary)
+}
+
+fn skip_reason(label: &str) -> Option<SkipReason> {
+    [
+        SkipReason::NoAnswer,
+        SkipReason::NoFeedback,
+        SkipReason::TooLong,
+        SkipReason::Unrenderable,
+        SkipReason::Stale,
+    ]
+    .into_iter()
+    .find(|r| r.as_str() == label)
+}
+
+/// Dedup, staleness and example building for one record; `Err(reason label)` skips it.
+fn prepare(
+    rec: &EpisodeRecord,
+    state: &LoopState,
+    cfg: &LearnerConfig,
+    tokenizer: &tokenizers::Tokenizer,
+    template: &crate::chat::ChatTemplate,
+    end_of_turn: u32,
+) -> Result<TrainExample, &'static str> {
+    if state.seen_record(&rec.record_id) {
+        return Err("duplicate");
+    }
+    // A re-emitted turn is trained on its new feedback only.
+    let trained = state.trained_feedback(&rec.turn);
+    let mut rec = rec.clone();
+    if !trained.is_empty() {
+        rec.feedback.retain(|f| !trained.contains(&f.feedback_id));
+        if rec.feedback.is_empty() {
+            return Err("duplicate");
+        }
+    }
+    // Staleness: versions of this adapter behind the live one (other adapters and the base
+    // model count as version 0).
+    let produced = match crate::example::parse_adapter(rec.adapter.as_deref()) {
+        Some((name, v)) if name == cfg.adapter_name => v,
+        _ => 0,
+    };
+    let lag = state.live_version.unwrap_or(0).saturating_sub(produced);
+    metrics::histogram!("hindsight_learner_staleness_versions").record(lag as f64);
+    if lag > cfg.max_staleness_versions {
+        return Err(SkipReason::Stale.as_str());
+    }
+    build_example(&rec, tokenizer, template, end_of_turn, &cfg.examples).map_err(SkipReason::as_str)
+}
+
+fn record_metrics(r: &StepReport) {
+    let outcome = if r.skipped.is_some() {
+        "refused"
+    } else {
+        "applied"
+    };
+    metrics::counter!("hindsight_learner_steps_total", "outcome" => outcome).increment(1);
+    metrics::counter!("hindsight_learner_examples_total").increment(r.examples as u64);
+    metrics::counter!("hindsight_learner_tokens_total").increment(r.tokens as u64);
+    metrics::gauge!("hindsight_learner_loss", "term" => "total").set(r.loss);
+    for term in ["sft", "kto", "distill", "dense", "kl_penalty"] {
+        if let Some(v) = r.terms.get(term) {
+            metrics::gauge!("hindsight_learner_loss", "term" => term).set(*v);
+        }
+    }
+    metrics::gauge!("hindsight_learner_kl_to_base").set(r.kl_to_base);
+    metrics::gauge!("hindsight_learner_grad_norm").set(r.grad_norm);
+    if let Some(v) = r.teacher_student_gap {
+        metrics::gauge!("hindsight_learner_teacher_student_gap").set(v);
+    }
+    if let Some(v) = r.advantage_mean {
+        metrics::gauge!("hindsight_learner_advantage_mean").set(v);
+    }
+    if let Some(v) = r.advantage_std {
+        metrics::gauge!("hindsight_learner_advantage_std").set(v);
+    }
+    if let Some(v) = r.clip_fraction {
+        metrics::gauge!("hindsight_learner_ratio_clip_fraction").set(v);
+    }
+}
+
+async fn checkpoint(
+    store: &CheckpointStore,
+    slot: &mut Option<Trainer>,
+    state: &mut LoopState,
+    run_log: &mut RunLog,
+) -> Result<(), OnlineError> {
+    state.seq += 1;
+    let tr = slot
+        .take()
+        .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
+    let (st, store2) = (state.clone(), store.clone());
+    let (tr, res) = tokio::task::spawn_blocking(move || {
+        let r = store2.save(&tr, &st);
+        (tr, r)
+    })
+    .await
+    .map_err(|e| OnlineError::Thread(e.to_string()))?;
+    *slot = Some(tr);
+    let dir = res?;
+    run_log.write(json!({
+        "event": "checkpoint",
+        "seq": state.seq,
+        "batches": state.batches,
+        "examples": state.examples,
+        "positions": state.positions,
+        "dir": dir,
+    }))?;
+    Ok(())
+}
+
+/// Registers the current policy as a candidate and publishes it when configured.
+async fn candidate(
+    reg: &Registry,
+    publish: Option<&PublishConfig>,
+    tr: &Trainer,
+    state: &mut LoopState,
+    cfg: &LearnerConfig,
+    base_sha: &str,
+    topic: &str,
+) -> Result<CandidateReport, OnlineError> {
+    let adapter = tr.snapshot_policy(&cfg.adapter_name)?;
+    let offsets = state
+        .positions
+        .iter()
+        .filter_map(|(k, to)| {
+            let (t, p) = k.rsplit_once('/')?;
+            let from = state.candidate_from.get(k).copied().unwrap_or(0);
+            let partition = p.parse().ok()?;
+            (t == topic && *to > from).then(|| OffsetRange {
+                topic: t.to_string(),
+                partition,
+                from,
+                to: *to,
+            })
+        })
+        .collect();
+    let entry: VersionEntry = reg
+        .register(NewVersion {
+            name: &cfg.adapter_name,
+            adapter: &adapter,
+            base_model: &cfg.served_base_name(),
+            base_model_sha256: base_sha,
+            parent: state.live_version,
+            training_config: serde_json::to_value(&cfg.trainer).unwrap_or_default(),
+            offsets,
+            examples: state.examples - state.candidate_examples,
+            tokens: tr.state().tokens,
+        })
+        .await?;
+    let version = entry.version;
+    info!(version, examples = state.examples, "Candidate registered.");
+    state.candidate_from = state.positions.clone();
+    state.candidate_batches = state.batches;
+    state.candidate_examples = state.examples;
+    state.candidate_at_ms = now_ms();
+    let (verdict, status) = match publish {
+        Some(p) => {
+            let out = gate_and_publish(reg, entry, p, &cfg.served_base_name()).await?;
+            if out.entry.status.to_string() == "live" {
+                state.live_version = Some(out.entry.version);
+            }
+            (out.verdict, out.entry.status.to_string())
+        }
+        None => (None, entry.status.to_string()),
+    };
+    info!(version, status = %status, "Candidate published.");
+    Ok(CandidateReport {
+        version,
+        examples: state.examples,
+        batches: state.batches,
+        verdict,
+        status,
+    })
+}
+
+/// `hindsight learner` arguments.
+#[derive(Debug, clap::Args)]
+pub struct LearnerArgs {
+    /// TOML config with `[log]`, `[learner]`, `[registry]` and `[publish]` sections (env:
+    /// HINDSIGHT_LEARNER__*, HINDSIGHT_REGISTRY__*, HINDSIGHT_PUBLISH__*, HINDSIGHT_LOG__*).
+    #[arg(long, short = 'c')]
+    pub config: Option<PathBuf>,
+}
+
+/// The config file of `hindsight learner`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LearnerFile {
+    /// Kafka.
+    #[serde(default)]
+    pub log: hindsight_feedback::LogConfig,
+    /// The loop and trainer.
+    #[serde(default)]
+    pub learner: LearnerConfig,
+    /// The registry (candidates are not kept without it).
+    #[serde(default)]
+    pub registry: Option<RegistryConfig>,
+    /// Publishing (candidates are only registered without it).
+    #[serde(default)]
+    pub publish: Option<PublishConfig>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_unknown_fields_refused() {
+        let cfg = LearnerConfig::default();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.served_base_name(), "SmolLM2-135M-Instruct.Q4_1");
+        assert!(serde_json::from_value::<LearnerConfig>(json!({"token_budgt": 3})).is_err());
+        let bad = LearnerConfig {
+            adapter_name: "a@b".into(),
+            ..Default::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn positions_round_trip_through_keys() {
+        let mut m = BTreeMap::new();
+        m.insert(key("hindsight.episodes", 3), 17);
+        let p = to_positions(&m);
+        assert_eq!(p[&("hindsight.episodes".to_string(), 3)], 17);
+    }
+}
