@@ -289,7 +289,7 @@ async fn run_learner(cli: LearnerCliArgs) -> anyhow::Result<()> {
         registry: file.registry,
         publish: file.publish,
     };
-    let summary = run_learner(setup, shutdown_signal(), None).await?;
+    let summary = run_learner(setup, shutdown_signal(), None, None).await?;
     println!("{}", serde_json::to_string_pretty(&summary)?);
     Ok(())
 }

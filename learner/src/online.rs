@@ -261,6 +261,14 @@ pub enum LearnerEvent {
     Skipped(SkipReason),
 }
 
+/// Commands to a running learner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LearnerControl {
+    /// Snapshot a candidate after the current micro-batch (and publish it when configured),
+    /// even if no new example arrived since the last one.
+    SnapshotNow,
+}
+
 /// Totals when the loop stops.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct LearnerSummary {
@@ -341,11 +349,12 @@ impl RunLog {
 }
 
 /// Runs the learner until `shutdown` resolves or a configured limit is reached. Events go to
-/// `events` when given.
+/// `events` when given; `control` takes commands (e.g. snapshot now).
 pub async fn run_learner(
     setup: LearnerSetup,
     shutdown: impl Future<Output = ()>,
     events: Option<mpsc::UnboundedSender<LearnerEvent>>,
+    mut control: Option<mpsc::UnboundedReceiver<LearnerControl>>,
 ) -> Result<LearnerSummary, OnlineError> {
     let cfg = setup.learner.clone();
     cfg.validate()?;
@@ -470,6 +479,7 @@ pub async fn run_learner(
         let mut records_in_batch = 0u64;
         let deadline = Instant::now() + wait;
         let mut stop = false;
+        let mut snapshot_requested = false;
         loop {
             if let Some(max) = cfg.max_examples {
                 if state.examples + batch.len() as u64 >= max {
@@ -490,9 +500,22 @@ pub async fn run_learner(
             if left.is_zero() && !batch.is_empty() {
                 break;
             }
+            let command = async {
+                match control.as_mut() {
+                    Some(rx) => rx.recv().await,
+                    None => std::future::pending().await,
+                }
+            };
             let got: Option<RawRecord> = tokio::select! {
                 biased;
                 () = &mut shutdown => { stop = true; break; }
+                c = command => {
+                    match c {
+                        Some(LearnerControl::SnapshotNow) => snapshot_requested = true,
+                        None => control = None, // sender gone: stop listening
+                    }
+                    break;
+                }
                 r = reader.recv_timeout(if batch.is_empty() { wait } else { left }) => r?,
             };
             let Some(raw) = got else { continue };
@@ -595,13 +618,18 @@ pub async fn run_learner(
         // Candidate?
         let since_batches = state.batches - state.candidate_batches;
         let since_examples = state.examples - state.candidate_examples;
-        let due = since_examples > 0
-            && ((cfg.candidate_every_batches > 0 && since_batches >= cfg.candidate_every_batches)
-                || (cfg.candidate_every_examples > 0
-                    && since_examples >= cfg.candidate_every_examples)
-                || (cfg.candidate_every_ms > 0
-                    && now_ms() - state.candidate_at_ms >= cfg.candidate_every_ms as i64)
-                || stop);
+        let due = snapshot_requested
+            || since_examples > 0
+                && ((cfg.candidate_every_batches > 0
+                    && since_batches >= cfg.candidate_every_batches)
+                    || (cfg.candidate_every_examples > 0
+                        && since_examples >= cfg.candidate_every_examples)
+                    || (cfg.candidate_every_ms > 0
+                        && now_ms() - state.candidate_at_ms >= cfg.candidate_every_ms as i64)
+                    || stop);
+        if due && registry.is_none() && snapshot_requested {
+            warn!("Snapshot requested but no [registry] is configured; ignored.");
+        }
         if due {
             if let Some(reg) = &registry {
                 if batches_since_ckpt > 0 {
