@@ -7,10 +7,16 @@
 #   hindsight serve (the model, OpenAI-compatible, :8000)
 #   hindsight proxy (:8080, admin :9464, feedback API at /hindsight/v1/feedback, signed)
 #   hindsight join  (interactions x feedback -> hindsight.episodes)
+#   hindsight learner (episodes -> LoRA training -> candidate -> eval gate -> live in serve)
+#   the simulated support environment (tickets as traffic through the proxy, a simulated user
+#   sending signed feedback)
 #
-# then sends a chat request through the proxy, signed feedback for it, and prints the records
-# from hindsight.interactions and hindsight.episodes. Everything keeps running until Ctrl-C.
-# Logs: .hindsight/logs/. Set HINDSIGHT_UP_EXIT=1 to stop after the walkthrough.
+# It sends one chat request through the proxy with signed feedback and prints its records from
+# hindsight.interactions and hindsight.episodes, then lets the environment drive traffic while
+# the learner trains, showing training steps and every candidate adapter as it passes (or
+# fails) the eval gate and goes live. Everything keeps running until Ctrl-C.
+# Logs: .hindsight/logs/. HINDSIGHT_UP_EXIT=1 stops after the first gated candidate.
+# HINDSIGHT_UP_FRESH=1 starts the learner from scratch (drops .hindsight/learner and adapters).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -20,15 +26,16 @@ die() { printf '[up] error: %s\n' "$*" >&2; exit 1; }
 command -v cargo >/dev/null || die "cargo is missing: install Rust (rustup) first"
 command -v python3 >/dev/null || die "python3 (with pip) is missing"
 
-say "1/6 local services"
+say "1/7 local services"
 deploy/services.sh up
-say "2/6 default model"
+say "2/7 default model"
 deploy/fetch-model.sh
 MODEL="$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-say "3/6 building hindsight (first build takes several minutes on 2 cores)"
-cargo build --quiet --bin hindsight
+say "3/7 building hindsight and the environment (first build takes several minutes on 2 cores)"
+cargo build --quiet --bin hindsight --bin hindsight-bench
 BIN="$ROOT/target/debug/hindsight"
+ENV_BIN="$ROOT/target/debug/hindsight-bench"
 
 mkdir -p .hindsight/logs
 SECRET="${HINDSIGHT_WEBHOOK_SECRET:-local-demo-secret}"
@@ -54,12 +61,12 @@ pretty() { python3 -c 'import json,sys; l=json.dumps(json.loads(sys.argv[1]),ind
 port_free() { ! ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
 for p in 8000 8080 9464; do port_free "$p" || die "port $p is in use (an earlier run still going?)"; done
 
-say "4/6 hindsight serve on :8000 ($MODEL)"
+say "4/7 hindsight serve on :8000 ($MODEL)"
 "$BIN" serve --model "$MODEL" --served-model-name SmolLM2-135M-Instruct --listen 127.0.0.1:8000 >.hindsight/logs/serve.log 2>&1 &
 PIDS+=($!)
 wait_http http://127.0.0.1:8000/v1/models "hindsight serve" 120
 
-say "5/6 hindsight proxy on :8080 and the joiner"
+say "5/7 hindsight proxy on :8080 and the joiner"
 HINDSIGHT_FEEDBACK__SIGNING__SECRETS="[\"$SECRET\"]" \
   "$BIN" proxy --upstream http://127.0.0.1:8000 --listen 127.0.0.1:8080 --admin 127.0.0.1:9464 \
   --spill-dir .hindsight/spill >.hindsight/logs/proxy.log 2>&1 &
@@ -68,7 +75,7 @@ PIDS+=($!)
 PIDS+=($!)
 wait_http http://127.0.0.1:9464/readyz "hindsight proxy" 60
 
-say "6/6 one request through the proxy"
+say "6/7 one request through the proxy"
 resp_headers=$(mktemp)
 curl -sS -D "$resp_headers" http://127.0.0.1:8080/v1/chat/completions \
   -H 'content-type: application/json' -H 'authorization: Bearer sk-local-demo' \
@@ -104,6 +111,80 @@ ep=$(find_record episodes "$IID" 60)
 [ -n "$ep" ] || die "no episode yet; see .hindsight/logs/join.log"
 pretty "$ep" 80
 
-say "running: serve :8000, proxy :8080 (metrics :9464/metrics), joiner. Ctrl-C stops them."
-[ -n "${HINDSIGHT_UP_EXIT:-}" ] && exit 0
-wait
+say "7/7 the learner, and the simulated environment sending traffic and feedback"
+ADAPTER=support
+mkdir -p .hindsight
+if [ -n "${HINDSIGHT_UP_FRESH:-}" ]; then
+  rm -rf .hindsight/learner .hindsight/adapters
+  redis-cli -h 127.0.0.1 -p "${REDIS_PORT:-6379}" --scan --pattern 'hindsight:up:*' | xargs -r redis-cli -h 127.0.0.1 -p "${REDIS_PORT:-6379}" del >/dev/null
+fi
+# The gate's yardstick: held-out tickets the learner never trains on.
+"$ENV_BIN" env eval-set --n "${HINDSIGHT_UP_EVAL_ITEMS:-12}" --out .hindsight/eval.jsonl
+cat >.hindsight/learner.toml <<TOML
+# Written by deploy/up.sh. Reference: README, "hindsight learner".
+[learner]
+model_path = "$MODEL"
+base_model_name = "SmolLM2-135M-Instruct"
+adapter_name = "$ADAPTER"
+group_id = "hindsight-up-learner"
+checkpoint_dir = ".hindsight/learner"
+run_log = ".hindsight/learner/run.jsonl"
+max_batch_examples = 4
+candidate_every_examples = ${HINDSIGHT_UP_CANDIDATE_EVERY:-16}
+candidate_every_batches = 0
+[learner.trainer]
+kl_penalty = 1.0
+[learner.trainer.optimizer]
+lr = 0.001
+[learner.trainer.objectives]
+sft = 1.0
+distill = 1.0
+dense = 1.0
+[registry]
+redis_url = "redis://127.0.0.1:${REDIS_PORT:-6379}/"
+key_prefix = "hindsight:up:registry"
+adapter_dir = ".hindsight/adapters"
+[publish]
+endpoints = ["http://127.0.0.1:8000/v1"]
+promote = true
+[publish.gate]
+eval_set = ".hindsight/eval.jsonl"
+margin = 0.05
+max_tokens = 120
+TOML
+"$BIN" learner -c .hindsight/learner.toml --metrics-listen 127.0.0.1:9465 >.hindsight/logs/learner.log 2>&1 &
+LEARNER_PID=$!
+PIDS+=($LEARNER_PID)
+
+# Traffic: rounds of support tickets through the proxy, answered by the live adapter once
+# there is one (the base model before), each judged by the simulated user after a second.
+(
+  first=0
+  while true; do
+    model=SmolLM2-135M-Instruct
+    curl -fsS http://127.0.0.1:8000/v1/models 2>/dev/null | grep -q "\"id\":\"$ADAPTER\"" && model=$ADAPTER
+    HINDSIGHT_FEEDBACK_SECRET="$SECRET" "$ENV_BIN" env run --endpoint http://127.0.0.1:8080/v1 \
+      --model "$model" --episodes 8 --first-episode "$first" --critique-style rule-and-value \
+      --run-id "up-$(date +%s)" || true
+    first=$((first + 8))
+  done
+) >.hindsight/logs/traffic.log 2>&1 &
+PIDS+=($!)
+
+say "watching the learner (.hindsight/logs/learner.log); the first candidate comes after ${HINDSIGHT_UP_CANDIDATE_EVERY:-16} trained examples"
+seen_candidates=0
+shown=0
+while kill -0 "$LEARNER_PID" 2>/dev/null; do
+  sleep 5
+  grep -E "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null \
+    | tail -n +$((shown + 1)) | sed -E 's/^.*(INFO|WARN|ERROR) //' || true
+  shown=$(grep -cE "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null || echo 0)
+  published=$(grep -c "Candidate published" .hindsight/logs/learner.log 2>/dev/null || echo 0)
+  if [ "$published" -gt "$seen_candidates" ]; then
+    seen_candidates=$published
+    say "adapter registry (hindsight adapters list)"
+    "$BIN" adapters list --key-prefix hindsight:up:registry || true
+    [ -n "${HINDSIGHT_UP_EXIT:-}" ] && exit 0
+  fi
+done
+die "the learner stopped; see .hindsight/logs/learner.log"

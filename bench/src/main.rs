@@ -92,6 +92,9 @@ struct RunArgs {
     /// Episodes to run.
     #[arg(long, default_value_t = 20)]
     episodes: u64,
+    /// First episode / train ticket index (continue where an earlier run stopped).
+    #[arg(long, default_value_t = 0)]
+    first_episode: u64,
     /// Episodes in flight at most.
     #[arg(long, default_value_t = 4)]
     concurrency: usize,
@@ -258,6 +261,7 @@ async fn main() -> anyhow::Result<()> {
             let mut cfg = EnvRunConfig::new(&a.agent, &a.model);
             cfg.api_key = a.api_key.clone();
             cfg.episodes = a.episodes;
+            cfg.first_episode = a.first_episode;
             cfg.rate_per_s = a.rate;
             cfg.concurrency = a.concurrency;
             cfg.seed = a.seed;

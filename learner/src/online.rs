@@ -678,6 +678,36 @@ pub async fn run_learner(
     Ok(summary)
 }
 
+/// Runs [`run_learner`] on a thread of its own (with its own Tokio runtime) until `shutdown`
+/// fires or is dropped: how `hindsight up` and the benchmarks embed the learner next to other
+/// services. (The loop's future is not `Send` for every lifetime — rustc cannot prove it
+/// through some dependencies' futures, rust-lang/rust#110338 — so it cannot go to
+/// `tokio::spawn`; it is CPU-bound anyway.)
+pub fn spawn_learner(
+    setup: LearnerSetup,
+    shutdown: tokio::sync::oneshot::Receiver<()>,
+    events: Option<mpsc::UnboundedSender<LearnerEvent>>,
+    control: Option<mpsc::UnboundedReceiver<LearnerControl>>,
+) -> std::io::Result<std::thread::JoinHandle<Result<LearnerSummary, OnlineError>>> {
+    std::thread::Builder::new()
+        .name("hindsight-learner".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .map_err(|e| OnlineError::Thread(e.to_string()))?;
+            rt.block_on(run_learner(
+                setup,
+                async {
+                    let _ = shutdown.await;
+                },
+                events,
+                control,
+            ))
+        })
+}
+
 fn skip_reason(label: &str) -> Option<SkipReason> {
     [
         SkipReason::NoAnswer,

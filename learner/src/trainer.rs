@@ -414,7 +414,7 @@ impl Trainer {
             *term_sums.entry(name.to_string()).or_default() += v;
             *applied.entry(name.to_string()).or_default() += 1;
         };
-        let (mut kl_sum, mut gap_sum, mut gap_n) = (0.0, 0.0, 0usize);
+        let (mut kl_sum, mut kl_n, mut gap_sum, mut gap_n) = (0.0, 0usize, 0.0, 0usize);
         let mut advs: Vec<f32> = Vec::new();
         let (mut clip_sum, mut clip_n) = (0.0, 0usize);
         let mut z_updates = Vec::new();
@@ -428,6 +428,14 @@ impl Trainer {
                 )));
             }
             let n = ex.answer_ids.len();
+            // Which objectives this example feeds; one that feeds none costs no forward pass.
+            let applies = w.distill > 0.0 && ex.teacher_context_ids.is_some()
+                || w.dense > 0.0 && (ex.teacher_context_ids.is_some() || ex.reward.is_some())
+                || w.kto > 0.0 && ex.thumbs.is_some()
+                || w.sft > 0.0 && ex.correction_ids.is_some();
+            if !applies {
+                continue;
+            }
             let student = self.answer_pass(
                 &ex.context_ids,
                 &ex.answer_ids,
@@ -457,6 +465,7 @@ impl Trainer {
                 let kl = mean(&kl_to_base(&student.logprobs, base_lp)?)?;
                 let kl_val = kl.to_scalar::<f32>()? as f64;
                 kl_sum += kl_val;
+                kl_n += 1;
                 if self.cfg.kl_penalty > 0.0 && kl_val > self.cfg.kl_budget {
                     let pen = ((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?;
                     note("kl_penalty", pen.to_scalar::<f32>()? as f64);
@@ -554,7 +563,7 @@ impl Trainer {
         }
 
         let nb = batch.len() as f64;
-        report.kl_to_base = kl_sum / nb;
+        report.kl_to_base = if kl_n > 0 { kl_sum / kl_n as f64 } else { 0.0 };
         report.teacher_student_gap = (gap_n > 0).then(|| gap_sum / gap_n as f64);
         if !advs.is_empty() {
             let m = advs.iter().map(|x| *x as f64).sum::<f64>() / advs.len() as f64;

@@ -42,6 +42,9 @@ pub struct EnvRunConfig {
     pub api_key: Option<String>,
     /// Episodes to run.
     pub episodes: u64,
+    /// Index of the first episode (and train ticket): a run can continue where another
+    /// stopped, so successive runs see new tickets.
+    pub first_episode: u64,
     /// Episodes started per second.
     pub rate_per_s: f64,
     /// Episodes in flight at most.
@@ -75,6 +78,7 @@ impl EnvRunConfig {
             model: model.into(),
             api_key: None,
             episodes: 20,
+            first_episode: 0,
             rate_per_s: 2.0,
             concurrency: 4,
             seed: 0,
@@ -204,8 +208,10 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
     let mut interval = tokio::time::interval(Duration::from_secs_f64(1.0 / cfg.rate_per_s));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tasks = JoinSet::new();
-    let mut indices = world.ticket_indices(Split::Train);
-    for episode in 0..cfg.episodes {
+    let mut indices = world
+        .ticket_indices(Split::Train)
+        .skip(cfg.first_episode as usize);
+    for episode in cfg.first_episode..cfg.first_episode + cfg.episodes {
         interval.tick().await;
         let Some(index) = indices.next() else { break };
         let permit = permits

@@ -1,0 +1,129 @@
+//! Learning curves: the whole loop (serve → proxy → Kafka → joiner → learner → registry →
+//! hot-swap) on the default model, driven by the simulated support environment, once per
+//! objective configuration; `hindsight eval` exact match on the held-out split after every K
+//! feedback events.
+//!
+//! ```sh
+//! cargo bench -p hindsight-bench --bench learning_curve
+//! # knobs (env): OBJECTIVES=none,sft,kto,dense,distill,distill-dense  EVENTS=64  EVAL_EVERY=16
+//! #   EVAL_ITEMS=20  LR=1e-3  RANK=8  SEED=0  CORRECTION_RATE=0.3  NOISE_RATE=0
+//! #   CRITIQUE=rule-and-value|rule  OUT=target/bench-results/learning_curve
+//! ```
+//! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
+//! table. Each configuration starts from the base model with fresh topics, keys and adapters.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+
+use anyhow::Context;
+use clap::ValueEnum;
+use hindsight_bench::env::CritiqueStyle;
+use hindsight_bench::learning::{plot, run_learning, LearningConfig, LearningReport, Objective};
+
+fn env<T: FromStr>(name: &str, default: T) -> T {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,learning_curve=info,hindsight_bench=info")
+            }),
+        )
+        .init();
+    // `cargo bench` passes `--bench`; nothing else is expected.
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    std::env::set_current_dir(&root)?;
+    let objectives: Vec<Objective> = std::env::var("OBJECTIVES")
+        .unwrap_or_else(|_| "none,sft,kto,dense,distill,distill-dense".into())
+        .split(',')
+        .map(|s| Objective::from_str(s.trim(), true).map_err(anyhow::Error::msg))
+        .collect::<anyhow::Result<_>>()
+        .context("OBJECTIVES")?;
+    let out = PathBuf::from(env(
+        "OUT",
+        "target/bench-results/learning_curve".to_string(),
+    ));
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let critique = CritiqueStyle::from_str(
+        &std::env::var("CRITIQUE").unwrap_or_else(|_| "rule-and-value".into()),
+        true,
+    )
+    .map_err(anyhow::Error::msg)?;
+    let work = tempfile::tempdir()?;
+    let mut reports: Vec<LearningReport> = Vec::new();
+    for objective in objectives {
+        let mut cfg = LearningConfig::new(objective, work.path().join(objective.as_str()));
+        cfg.events = env("EVENTS", cfg.events);
+        cfg.eval_every = env("EVAL_EVERY", cfg.eval_every);
+        cfg.eval_items = env("EVAL_ITEMS", cfg.eval_items);
+        cfg.lr = env("LR", cfg.lr);
+        cfg.rank = env("RANK", cfg.rank);
+        cfg.seed = env("SEED", cfg.seed);
+        cfg.correction_rate = env("CORRECTION_RATE", cfg.correction_rate);
+        cfg.noise_rate = env("NOISE_RATE", cfg.noise_rate);
+        cfg.critique_style = critique;
+        eprintln!(
+            "[learning_curve] {}: {} events, eval every {} on {} items",
+            objective.as_str(),
+            cfg.events,
+            cfg.eval_every,
+            cfg.eval_items
+        );
+        let report = run_learning(cfg).await?;
+        eprintln!(
+            "[learning_curve] {}: exact match {} (gain {:+.1} points) in {:.0} s, trainer {:.0} tokens/s",
+            objective.as_str(),
+            report
+                .points
+                .iter()
+                .map(|p| format!("{:.0}%", p.exact_match * 100.0))
+                .collect::<Vec<_>>()
+                .join(" → "),
+            report.gain() * 100.0,
+            report.wall_s,
+            report.train_tokens_per_s
+        );
+        reports.push(report);
+        // Write after every configuration so a long run keeps what it measured.
+        std::fs::write(
+            out.with_extension("json"),
+            serde_json::to_vec_pretty(&reports)?,
+        )?;
+        plot(
+            &reports,
+            &out.with_extension("png"),
+            "Hindsight on SmolLM2-135M: eval exact match vs feedback events",
+        )?;
+    }
+    println!(
+        "\nobjective       exact match per eval point                gain   wall s  train tok/s"
+    );
+    for r in &reports {
+        println!(
+            "{:<15} {:<40} {:+5.1}  {:7.0}  {:11.0}",
+            r.config.objective.as_str(),
+            r.points
+                .iter()
+                .map(|p| format!("{:.0}", p.exact_match * 100.0))
+                .collect::<Vec<_>>()
+                .join(" "),
+            r.gain() * 100.0,
+            r.wall_s,
+            r.train_tokens_per_s
+        );
+    }
+    println!(
+        "\nwrote {} and {}",
+        out.with_extension("json").display(),
+        out.with_extension("png").display()
+    );
+    Ok(())
+}

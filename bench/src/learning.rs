@@ -1,0 +1,623 @@
+//! The learning-curve harness: the whole Hindsight loop in one process, on the real model and
+//! the real broker and Redis — `hindsight serve` (the agent's model), the capturing proxy with
+//! the feedback webhook, the joiner, the learner (registry + publishing), and the simulated
+//! support environment sending traffic and feedback through the proxy — measured with
+//! `hindsight eval` on the held-out eval split after every K feedback events.
+//!
+//! Used by `cargo bench -p hindsight-bench --bench learning_curve` (all objective
+//! configurations, JSON + PNG) and by the small learning test in `bench/tests/learning.rs`.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use hindsight_eval::{evaluate, EvalSet, RunConfig};
+use hindsight_feedback::{JoinerConfig, LogConfig, Secret};
+use hindsight_learner::online::{
+    spawn_learner, LearnerConfig, LearnerControl, LearnerEvent, LearnerSetup, LearnerSummary,
+};
+use hindsight_learner::publish::PublishConfig;
+use hindsight_learner::registry::RegistryConfig;
+use hindsight_learner::trainer::ObjectiveWeights;
+use hindsight_proxy::{Extensions, RawConfig};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::env::{
+    eval_items, run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, Split,
+    UserConfig, Variant, World,
+};
+
+/// Which objectives learn from the feedback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+#[value(rename_all = "kebab-case")]
+pub enum Objective {
+    /// No learning: the base model (its curve is flat by construction; evaluated once).
+    None,
+    /// SFT on corrections only.
+    Sft,
+    /// KTO on thumbs only.
+    Kto,
+    /// Dense-reward policy gradient (teacher/student gap + scalar feedback).
+    Dense,
+    /// Hindsight self-distillation.
+    Distill,
+    /// Self-distillation + dense reward.
+    DistillDense,
+}
+
+impl Objective {
+    /// Every configuration, in report order.
+    pub const ALL: [Objective; 6] = [
+        Objective::None,
+        Objective::Sft,
+        Objective::Kto,
+        Objective::Dense,
+        Objective::Distill,
+        Objective::DistillDense,
+    ];
+
+    /// kebab-case name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Objective::None => "none",
+            Objective::Sft => "sft",
+            Objective::Kto => "kto",
+            Objective::Dense => "dense",
+            Objective::Distill => "distill",
+            Objective::DistillDense => "distill-dense",
+        }
+    }
+
+    /// The trainer's objective weights.
+    pub fn weights(self) -> ObjectiveWeights {
+        let w = |sft, kto, distill, dense| ObjectiveWeights {
+            sft,
+            kto,
+            distill,
+            dense,
+        };
+        match self {
+            Objective::None => w(0.0, 0.0, 0.0, 0.0),
+            Objective::Sft => w(1.0, 0.0, 0.0, 0.0),
+            Objective::Kto => w(0.0, 1.0, 0.0, 0.0),
+            Objective::Dense => w(0.0, 0.0, 0.0, 1.0),
+            Objective::Distill => w(0.0, 0.0, 1.0, 0.0),
+            Objective::DistillDense => w(0.0, 0.0, 1.0, 1.0),
+        }
+    }
+}
+
+/// One learning run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LearningConfig {
+    /// The objective configuration.
+    pub objective: Objective,
+    /// Base model file.
+    pub model_path: PathBuf,
+    /// Feedback events (episodes, each judged once) to learn from.
+    pub events: u64,
+    /// Evaluate after every this many events.
+    pub eval_every: u64,
+    /// Eval items (held-out split).
+    pub eval_items: usize,
+    /// World seed (tickets, users).
+    pub seed: u64,
+    /// Traffic sampling temperature.
+    pub temperature: f64,
+    /// Episodes in flight.
+    pub concurrency: usize,
+    /// Learning rate.
+    pub lr: f64,
+    /// LoRA rank.
+    pub rank: usize,
+    /// Examples per micro-batch.
+    pub batch_examples: usize,
+    /// How critiques are worded.
+    pub critique_style: CritiqueStyle,
+    /// Share of wrong answers that also get a corrected answer.
+    pub correction_rate: f64,
+    /// Share of wrong (noisy) feedback.
+    pub noise_rate: f64,
+    /// Kafka brokers.
+    pub brokers: String,
+    /// Redis.
+    pub redis_url: String,
+    /// Where checkpoints, adapters, spill and the run log go.
+    pub work_dir: PathBuf,
+}
+
+impl LearningConfig {
+    /// Defaults for the local services and the default model.
+    pub fn new(objective: Objective, work_dir: impl Into<PathBuf>) -> Self {
+        Self {
+            objective,
+            model_path: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+            events: 64,
+            eval_every: 16,
+            eval_items: 20,
+            seed: 0,
+            temperature: 0.7,
+            concurrency: 4,
+            lr: 1e-3,
+            rank: 8,
+            batch_examples: 4,
+            critique_style: CritiqueStyle::RuleAndValue,
+            correction_rate: 0.3,
+            noise_rate: 0.0,
+            brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
+            redis_url: std::env::var("REDIS_URL")
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into()),
+            work_dir: work_dir.into(),
+        }
+    }
+}
+
+/// One point of the curve.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CurvePoint {
+    /// Feedback events sent so far.
+    pub events: u64,
+    /// Examples the learner trained on so far.
+    pub examples: u64,
+    /// Eval exact match (0..1).
+    pub exact_match: f64,
+    /// Eval per-field accuracy.
+    pub field_accuracy: Option<f64>,
+    /// Adapter version evaluated (`None` = base).
+    pub version: Option<u64>,
+    /// Seconds since the run started.
+    pub wall_s: f64,
+}
+
+/// A finished run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LearningReport {
+    /// The settings.
+    pub config: LearningConfig,
+    /// The curve, starting with the base model at 0 events.
+    pub points: Vec<CurvePoint>,
+    /// Exact match of the traffic itself (the agent's answers during learning), per chunk.
+    pub traffic_exact_match: Vec<f64>,
+    /// Wall time, seconds.
+    pub wall_s: f64,
+    /// Seconds spent in training steps.
+    pub train_s: f64,
+    /// Tokens processed by the trainer.
+    pub train_tokens: u64,
+    /// Trainer throughput, tokens per second of step time.
+    pub train_tokens_per_s: f64,
+    /// The learner's totals.
+    pub learner: Option<serde_json::Value>,
+}
+
+impl LearningReport {
+    /// Last minus first exact match.
+    pub fn gain(&self) -> f64 {
+        match (self.points.first(), self.points.last()) {
+            (Some(a), Some(b)) => b.exact_match - a.exact_match,
+            _ => 0.0,
+        }
+    }
+}
+
+const SECRET: &str = "learning-curve-secret";
+
+fn unique(what: &str) -> String {
+    format!("lc-{what}-{}", uuid::Uuid::now_v7().simple())
+}
+
+/// Starts `hindsight serve` on a free port; returns its API base and a stopper.
+async fn start_serve(model: &Path) -> anyhow::Result<(String, String, oneshot::Sender<()>)> {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Args {
+        #[command(flatten)]
+        serve: hindsight_serve::ServeArgs,
+    }
+    let args = Args::try_parse_from([
+        "serve".to_string(),
+        "--model".to_string(),
+        model.display().to_string(),
+        "--listen".to_string(),
+        "127.0.0.1:0".to_string(),
+    ])?;
+    let config = args.serve.validate()?;
+    let base = config.served_model_name.clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (tx, rx) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let r = hindsight_serve::run_serve(config, listener, async {
+            let _ = rx.await;
+        })
+        .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "serve stopped");
+        }
+    });
+    let url = format!("http://{addr}/v1");
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok(r) = client.get(format!("{url}/models")).send().await {
+            if r.status().is_success() {
+                break;
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("hindsight serve did not come up within 120 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Ok((url, base, tx))
+}
+
+/// Runs one configuration end to end.
+pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport> {
+    if !cfg.model_path.is_file() {
+        bail!(
+            "{} is missing: run deploy/fetch-model.sh",
+            cfg.model_path.display()
+        );
+    }
+    if cfg.eval_every == 0 || cfg.events == 0 {
+        bail!("events and eval_every must be >= 1");
+    }
+    std::fs::create_dir_all(&cfg.work_dir)?;
+    let started = Instant::now();
+    let options = PromptOptions {
+        variant: Variant::Single,
+        with_rules: false,
+        response_format: true,
+    };
+    let world = World::new(cfg.seed);
+    let set = EvalSet::from_items(
+        "support-eval",
+        eval_items(&world, Split::Eval, cfg.eval_items, options),
+    )?;
+
+    let (serve_url, base_name, stop_serve) = start_serve(&cfg.model_path).await?;
+    let eval_at = |model: String| {
+        let mut rc = RunConfig::new(serve_url.clone(), model);
+        rc.progress = false;
+        rc.keep_content = false;
+        rc.concurrency = 8;
+        rc
+    };
+    let base_report = evaluate(&set, &eval_at(base_name.clone())).await?;
+    let mut points = vec![CurvePoint {
+        events: 0,
+        examples: 0,
+        exact_match: base_report.metrics.exact_match,
+        field_accuracy: base_report.metrics.field_accuracy,
+        version: None,
+        wall_s: started.elapsed().as_secs_f64(),
+    }];
+    tracing::info!(
+        objective = cfg.objective.as_str(),
+        exact_match = base_report.metrics.exact_match,
+        "Base model evaluated."
+    );
+    if cfg.objective == Objective::None {
+        // The base model does not change: its curve is the same number at every point.
+        let mut e = cfg.eval_every;
+        while e <= cfg.events {
+            let mut p = points[0].clone();
+            p.events = e;
+            points.push(p);
+            e += cfg.eval_every;
+        }
+        let _ = stop_serve.send(());
+        return Ok(LearningReport {
+            config: cfg,
+            points,
+            traffic_exact_match: vec![],
+            wall_s: started.elapsed().as_secs_f64(),
+            train_s: 0.0,
+            train_tokens: 0,
+            train_tokens_per_s: 0.0,
+            learner: None,
+        });
+    }
+
+    // Proxy in front of serve, with the signed feedback webhook.
+    let prefix = unique(cfg.objective.as_str());
+    let mut raw = RawConfig::default();
+    raw.proxy.upstream_url = serve_url.trim_end_matches("/v1").to_string();
+    raw.proxy.listen_addr = "127.0.0.1:0".into();
+    raw.proxy.admin_addr = "127.0.0.1:0".into();
+    raw.log = LogConfig {
+        brokers: cfg.brokers.clone(),
+        topic_prefix: prefix.clone(),
+        spill_dir: cfg.work_dir.join("spill"),
+        ..LogConfig::default()
+    };
+    raw.feedback.redis_url = cfg.redis_url.clone();
+    raw.feedback.redis_key_prefix = format!("{prefix}:idem:");
+    raw.feedback.signing.secrets = vec![Secret::new(SECRET)];
+    let proxy_cfg = raw.validate()?;
+    let log_cfg = proxy_cfg.log.clone();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let proxy_addr = listener.local_addr()?;
+    let (stop_proxy, proxy_stopped) = oneshot::channel::<()>();
+    let proxy = tokio::spawn(async move {
+        hindsight_proxy::run(proxy_cfg, listener, admin, Extensions::default(), async {
+            let _ = proxy_stopped.await;
+        })
+        .await
+    });
+
+    // Joiner.
+    let joiner_cfg = JoinerConfig {
+        group_id: format!("{prefix}-joiner"),
+        redis_url: cfg.redis_url.clone(),
+        redis_key_prefix: format!("{prefix}:join:"),
+        ..JoinerConfig::default()
+    }
+    .validate()?;
+    let (stop_joiner, joiner_stopped) = oneshot::channel::<()>();
+    let joiner_log = log_cfg.clone();
+    let joiner = tokio::spawn(async move {
+        hindsight_feedback::run_joiner(joiner_cfg, joiner_log, async {
+            let _ = joiner_stopped.await;
+        })
+        .await
+    });
+
+    // Learner: candidates on request, published without a gate (the curve is the measure;
+    // the gate has its own test) and promoted so traffic comes from the newest adapter.
+    let adapter_name = format!("support-{}", cfg.objective.as_str());
+    let mut learner_cfg = LearnerConfig {
+        model_path: cfg.model_path.clone(),
+        base_model_name: Some(base_name.clone()),
+        adapter_name: adapter_name.clone(),
+        group_id: format!("{prefix}-learner"),
+        checkpoint_dir: cfg.work_dir.join("checkpoints"),
+        run_log: cfg.work_dir.join("run.jsonl"),
+        max_batch_examples: cfg.batch_examples,
+        max_batch_wait_ms: 1_000,
+        checkpoint_every_batches: 4,
+        candidate_every_batches: 0,
+        candidate_every_examples: 0,
+        candidate_every_ms: 0,
+        ..LearnerConfig::default()
+    };
+    learner_cfg.trainer.objectives = cfg.objective.weights();
+    learner_cfg.trainer.optimizer.lr = cfg.lr;
+    learner_cfg.trainer.lora.rank = cfg.rank;
+    learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
+    let setup = LearnerSetup {
+        learner: learner_cfg,
+        log: log_cfg.clone(),
+        registry: Some(RegistryConfig {
+            redis_url: cfg.redis_url.clone(),
+            key_prefix: format!("{prefix}:registry"),
+            adapter_dir: cfg.work_dir.join("adapters"),
+        }),
+        publish: Some(PublishConfig {
+            endpoints: vec![serve_url.clone()],
+            api_key: None,
+            gate: None,
+            promote: true,
+            load_timeout_ms: 60_000,
+        }),
+    };
+    let (events_tx, mut events_rx) = mpsc::unbounded_channel();
+    let (control_tx, control_rx) = mpsc::unbounded_channel();
+    let (stop_learner, learner_stopped) = oneshot::channel::<()>();
+    let learner = spawn_learner(setup, learner_stopped, Some(events_tx), Some(control_rx))?;
+
+    let mut traffic = Vec::new();
+    let (mut seen_records, mut examples) = (0u64, 0u64);
+    let (mut train_ms, mut train_tokens) = (0u64, 0u64);
+    let mut live: Option<u64> = None;
+    let mut sent = 0u64;
+    while sent < cfg.events {
+        let n = cfg.eval_every.min(cfg.events - sent);
+        let mut env = EnvRunConfig::new(
+            format!("http://{proxy_addr}/v1"),
+            if live.is_some() {
+                adapter_name.clone()
+            } else {
+                base_name.clone()
+            },
+        );
+        env.episodes = n;
+        env.first_episode = sent;
+        env.rate_per_s = 20.0;
+        env.concurrency = cfg.concurrency;
+        env.seed = cfg.seed;
+        env.temperature = cfg.temperature;
+        env.options = options;
+        env.run_id = format!("{prefix}-traffic");
+        env.feedback = Some(FeedbackConfig {
+            endpoint: format!("http://{proxy_addr}"),
+            secret: Some(SECRET.into()),
+            delay_ms: 100,
+        });
+        env.user = UserConfig {
+            noise_rate: cfg.noise_rate,
+            correction_rate: cfg.correction_rate,
+            thanks_rate: 0.0,
+            critique_style: cfg.critique_style,
+        };
+        let summary = run_env(env).await?;
+        if summary.feedback_failures > 0 {
+            bail!(
+                "{} episodes could not send feedback",
+                summary.feedback_failures
+            );
+        }
+        traffic.push(summary.exact_match);
+        let judged = summary
+            .outcomes
+            .iter()
+            .filter(|o| !o.feedback_ids.is_empty())
+            .count() as u64;
+        sent += n;
+
+        // Wait until the learner has taken in every judged turn of this chunk.
+        let want = seen_records + judged;
+        let deadline = Instant::now() + Duration::from_secs(600);
+        while seen_records < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("the learner took in {seen_records} of {want} records within 600 s");
+            }
+            match tokio::time::timeout(left, events_rx.recv()).await {
+                Ok(Some(LearnerEvent::Step(r))) => {
+                    seen_records += r.examples as u64;
+                    examples += r.examples as u64;
+                    train_ms += r.duration_ms;
+                    train_tokens += r.tokens as u64;
+                }
+                Ok(Some(LearnerEvent::Skipped(_))) => seen_records += 1,
+                Ok(Some(LearnerEvent::Candidate(_))) => {}
+                Ok(None) => bail!("the learner stopped: {:?}", learner.join()),
+                Err(_) => {}
+            }
+        }
+        control_tx
+            .send(LearnerControl::SnapshotNow)
+            .context("learner gone")?;
+        let version = loop {
+            match events_rx.recv().await {
+                Some(LearnerEvent::Candidate(c)) => break c.version,
+                Some(LearnerEvent::Step(r)) => {
+                    examples += r.examples as u64;
+                    train_ms += r.duration_ms;
+                    train_tokens += r.tokens as u64;
+                }
+                Some(LearnerEvent::Skipped(_)) => {}
+                None => bail!("the learner stopped: {:?}", learner.join()),
+            }
+        };
+        live = Some(version);
+        let report = evaluate(&set, &eval_at(adapter_name.clone())).await?;
+        tracing::info!(
+            objective = cfg.objective.as_str(),
+            events = sent,
+            examples,
+            version,
+            exact_match = report.metrics.exact_match,
+            "Evaluated."
+        );
+        points.push(CurvePoint {
+            events: sent,
+            examples,
+            exact_match: report.metrics.exact_match,
+            field_accuracy: report.metrics.field_accuracy,
+            version: Some(version),
+            wall_s: started.elapsed().as_secs_f64(),
+        });
+    }
+
+    let _ = stop_learner.send(());
+    let summary: Option<LearnerSummary> = tokio::task::spawn_blocking(move || learner.join())
+        .await
+        .ok()
+        .and_then(|r| r.ok())
+        .and_then(Result::ok);
+    let _ = stop_joiner.send(());
+    let _ = joiner.await;
+    let _ = stop_proxy.send(());
+    let _ = proxy.await;
+    let _ = stop_serve.send(());
+    let train_s = train_ms as f64 / 1000.0;
+    Ok(LearningReport {
+        config: cfg,
+        points,
+        traffic_exact_match: traffic,
+        wall_s: started.elapsed().as_secs_f64(),
+        train_s,
+        train_tokens,
+        train_tokens_per_s: if train_s > 0.0 {
+            train_tokens as f64 / train_s
+        } else {
+            0.0
+        },
+        learner: summary.and_then(|s| serde_json::to_value(s).ok()),
+    })
+}
+
+/// Draws the curves (exact match vs feedback events) into a PNG. Text needs a TrueType font:
+/// DejaVu Sans from the system is used when present, otherwise the plot is drawn without text
+/// (the JSON next to it carries the numbers).
+pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Result<()> {
+    use plotters::prelude::*;
+    let font = [
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    ]
+    .iter()
+    .find_map(|p| std::fs::read(p).ok());
+    let with_text = match font {
+        Some(bytes) => {
+            let leaked: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            plotters::style::register_font("sans-serif", FontStyle::Normal, leaked).is_ok()
+        }
+        None => false,
+    };
+    let max_events = reports
+        .iter()
+        .flat_map(|r| r.points.iter().map(|p| p.events))
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let max_y = reports
+        .iter()
+        .flat_map(|r| r.points.iter().map(|p| p.exact_match))
+        .fold(0.1f64, f64::max)
+        .min(1.0)
+        * 1.15;
+    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(20);
+    if with_text {
+        builder
+            .caption(title, ("sans-serif", 22))
+            .x_label_area_size(45)
+            .y_label_area_size(60);
+    }
+    let mut chart = builder.build_cartesian_2d(0u64..max_events, 0f64..max_y)?;
+    if with_text {
+        chart
+            .configure_mesh()
+            .x_desc("feedback events")
+            .y_desc("eval exact match")
+            .draw()?;
+    } else {
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .disable_y_mesh()
+            .draw()?;
+    }
+    for (i, r) in reports.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let pts: Vec<(u64, f64)> = r.points.iter().map(|p| (p.events, p.exact_match)).collect();
+        let series = chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?;
+        if with_text {
+            series
+                .label(r.config.objective.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                });
+        }
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
+    }
+    if with_text {
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::UpperLeft)
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
