@@ -925,6 +925,36 @@ mod tests {
         assert!(bad.validate().is_err());
     }
 
+    /// The documented example parses, and its `[learner]` values are the defaults it claims.
+    #[test]
+    fn example_config_parses_and_shows_the_defaults() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/learner.example.toml"
+        );
+        let text = std::fs::read_to_string(path).unwrap();
+        let file: LearnerFile = parse_example(&text);
+        let shown = serde_json::to_value(&file.learner).unwrap();
+        let default = serde_json::to_value(LearnerConfig::default()).unwrap();
+        assert_eq!(
+            shown, default,
+            "deploy/learner.example.toml drifted from the defaults"
+        );
+        file.learner.validate().unwrap();
+        assert!(file.registry.is_some() && file.publish.is_some());
+    }
+
+    fn parse_example(text: &str) -> LearnerFile {
+        // The binary reads it through hindsight_proxy::load_toml (same TOML crate, same serde).
+        let value: serde_json::Value = toml_to_json(text);
+        serde_json::from_value(value).unwrap()
+    }
+
+    fn toml_to_json(text: &str) -> serde_json::Value {
+        let table: toml::Table = text.parse().unwrap();
+        serde_json::to_value(table).unwrap()
+    }
+
     #[test]
     fn positions_round_trip_through_keys() {
         let mut m = BTreeMap::new();
