@@ -497,7 +497,8 @@ pub async fn run_learner(
                 break;
             }
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() && !batch.is_empty() {
+            // Train what we have; skipped records alone still get checkpointed (positions).
+            if left.is_zero() && (!batch.is_empty() || records_in_batch > 0) {
                 break;
             }
             let command = async {
@@ -526,7 +527,15 @@ pub async fn run_learner(
             pending.insert(k, raw.offset + 1);
             records_in_batch += 1;
             let outcome = match raw.decode::<EpisodeRecord>() {
-                Ok(rec) => prepare(&rec, &state, &cfg, &tokenizer, &template, end_of_turn),
+                Ok(rec) => prepare(
+                    &rec,
+                    &state,
+                    &batch,
+                    &cfg,
+                    &tokenizer,
+                    &template,
+                    end_of_turn,
+                ),
                 Err(e) => {
                     warn!(error = %e, "Malformed episode record; skipped.");
                     Err("malformed")
@@ -721,19 +730,25 @@ fn skip_reason(label: &str) -> Option<SkipReason> {
 }
 
 /// Dedup, staleness and example building for one record; `Err(reason label)` skips it.
+#[allow(clippy::too_many_arguments)]
 fn prepare(
     rec: &EpisodeRecord,
     state: &LoopState,
+    batch: &[TrainExample],
     cfg: &LearnerConfig,
     tokenizer: &tokenizers::Tokenizer,
     template: &crate::chat::ChatTemplate,
     end_of_turn: u32,
 ) -> Result<TrainExample, &'static str> {
-    if state.seen_record(&rec.record_id) {
+    // The same record again (in the checkpoint's memory or in the batch being gathered).
+    if state.seen_record(&rec.record_id) || batch.iter().any(|e| e.record_id == rec.record_id) {
         return Err("duplicate");
     }
     // A re-emitted turn is trained on its new feedback only.
-    let trained = state.trained_feedback(&rec.turn);
+    let mut trained: Vec<uuid::Uuid> = state.trained_feedback(&rec.turn).to_vec();
+    for e in batch.iter().filter(|e| e.turn == rec.turn) {
+        trained.extend_from_slice(&e.feedback_ids);
+    }
     let mut rec = rec.clone();
     if !trained.is_empty() {
         rec.feedback.retain(|f| !trained.contains(&f.feedback_id));
