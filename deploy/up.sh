@@ -33,7 +33,7 @@ deploy/fetch-model.sh
 MODEL="$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 say "3/7 building hindsight and the environment (first build takes several minutes on 2 cores)"
-cargo build --quiet --bin hindsight --bin hindsight-bench
+cargo build --quiet --bin hindsight && cargo build --quiet -p hindsight-bench --bin hindsight-bench
 BIN="$ROOT/target/debug/hindsight"
 ENV_BIN="$ROOT/target/debug/hindsight-bench"
 
@@ -178,8 +178,8 @@ while kill -0 "$LEARNER_PID" 2>/dev/null; do
   sleep 5
   grep -E "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null \
     | tail -n +$((shown + 1)) | sed -E 's/^.*(INFO|WARN|ERROR) //' || true
-  shown=$(grep -cE "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null || echo 0)
-  published=$(grep -c "Candidate published" .hindsight/logs/learner.log 2>/dev/null || echo 0)
+  shown=$(grep -cE "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null || true)
+  published=$(grep -c "Candidate published" .hindsight/logs/learner.log 2>/dev/null || true)
   if [ "$published" -gt "$seen_candidates" ]; then
     seen_candidates=$published
     say "adapter registry (hindsight adapters list)"

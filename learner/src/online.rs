@@ -627,15 +627,17 @@ pub async fn run_learner(
         // Candidate?
         let since_batches = state.batches - state.candidate_batches;
         let since_examples = state.examples - state.candidate_examples;
+        // (Not at shutdown: the checkpoint keeps the progress and the next run continues; a
+        // stopping process should not start a gate run.)
         let due = snapshot_requested
-            || since_examples > 0
+            || !stop
+                && since_examples > 0
                 && ((cfg.candidate_every_batches > 0
                     && since_batches >= cfg.candidate_every_batches)
                     || (cfg.candidate_every_examples > 0
                         && since_examples >= cfg.candidate_every_examples)
                     || (cfg.candidate_every_ms > 0
-                        && now_ms() - state.candidate_at_ms >= cfg.candidate_every_ms as i64)
-                    || stop);
+                        && now_ms() - state.candidate_at_ms >= cfg.candidate_every_ms as i64));
         if due && registry.is_none() && snapshot_requested {
             warn!("Snapshot requested but no [registry] is configured; ignored.");
         }
@@ -649,7 +651,7 @@ pub async fn run_learner(
                 let tr = trainer_slot
                     .as_ref()
                     .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
-                let report = candidate(
+                let made = candidate(
                     reg,
                     setup.publish.as_ref(),
                     tr,
@@ -658,10 +660,26 @@ pub async fn run_learner(
                     &base_sha,
                     &topic,
                 )
-                .await?;
-                run_log.write(json!({"event": "candidate", "candidate": report}))?;
-                summary.candidates.push(report.clone());
-                emit(LearnerEvent::Candidate(report));
+                .await;
+                match made {
+                    Ok(report) => {
+                        run_log.write(json!({"event": "candidate", "candidate": report}))?;
+                        summary.candidates.push(report.clone());
+                        emit(LearnerEvent::Candidate(report));
+                    }
+                    Err(e) => {
+                        // Redis away or the registry's disk full: keep training; the next
+                        // trigger tries again.
+                        warn!(error = %e, "Could not register a candidate; training goes on.");
+                        metrics::counter!("hindsight_learner_candidate_failures_total")
+                            .increment(1);
+                        run_log
+                            .write(json!({"event": "candidate_failed", "error": e.to_string()}))?;
+                        state.candidate_batches = state.batches;
+                        state.candidate_examples = state.examples;
+                        state.candidate_at_ms = now_ms();
+                    }
+                }
                 // The candidate bookkeeping belongs in the checkpoint too.
                 checkpoint(&store, &mut trainer_slot, &mut state, &mut run_log).await?;
                 reader.commit_offsets(&to_positions(&state.positions))?;
@@ -877,13 +895,20 @@ async fn candidate(
     state.candidate_examples = state.examples;
     state.candidate_at_ms = now_ms();
     let (verdict, status) = match publish {
-        Some(p) => {
-            let out = gate_and_publish(reg, entry, p, &cfg.served_base_name()).await?;
-            if out.entry.status.to_string() == "live" {
-                state.live_version = Some(out.entry.version);
+        Some(p) => match gate_and_publish(reg, entry, p, &cfg.served_base_name()).await {
+            Ok(out) => {
+                if out.entry.status.to_string() == "live" {
+                    state.live_version = Some(out.entry.version);
+                }
+                (out.verdict, out.entry.status.to_string())
             }
-            (out.verdict, out.entry.status.to_string())
-        }
+            Err(e) => {
+                // Serving unreachable: the version stays a registered candidate (publishable
+                // later by hand); training goes on.
+                warn!(version, error = %e, "Publishing failed; the version stays a candidate.");
+                (None, "candidate (publishing failed)".to_string())
+            }
+        },
         None => (None, entry.status.to_string()),
     };
     info!(version, status = %status, "Candidate published.");
