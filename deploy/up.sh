@@ -163,7 +163,7 @@ PIDS+=($LEARNER_PID)
   while true; do
     model=SmolLM2-135M-Instruct
     curl -fsS http://127.0.0.1:8000/v1/models 2>/dev/null | grep -q "\"id\":\"$ADAPTER\"" && model=$ADAPTER
-    HINDSIGHT_FEEDBACK_SECRET="$SECRET" "$ENV_BIN" env run --endpoint http://127.0.0.1:8080/v1 \
+    HINDSIGHT_FEEDBACK_SECRET="$SECRET" "$ENV_BIN" env run --agent http://127.0.0.1:8080/v1 \
       --model "$model" --episodes 8 --first-episode "$first" --critique-style rule-and-value \
       --run-id "up-$(date +%s)" || true
     first=$((first + 8))
@@ -177,7 +177,7 @@ shown=0
 while kill -0 "$LEARNER_PID" 2>/dev/null; do
   sleep 5
   grep -E "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null \
-    | tail -n +$((shown + 1)) | sed -E 's/^.*(INFO|WARN|ERROR) //' || true
+    | tail -n +$((shown + 1)) | sed -E 's/\x1b\[[0-9;]*m//g; s/^[^ ]+ +(INFO|WARN|ERROR) [a-z_:]+: //' || true
   shown=$(grep -cE "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null || true)
   published=$(grep -c "Candidate published" .hindsight/logs/learner.log 2>/dev/null || true)
   if [ "$published" -gt "$seen_candidates" ]; then
