@@ -477,7 +477,9 @@ pub async fn run_learner(
         let mut cost = 0usize;
         let mut pending = state.positions.clone();
         let mut records_in_batch = 0u64;
-        let deadline = Instant::now() + wait;
+        // The batch wait starts with the batch's first record, not before: after an idle spell
+        // the first record would otherwise find the deadline passed and train alone.
+        let mut deadline: Option<Instant> = None;
         let mut stop = false;
         let mut snapshot_requested = false;
         loop {
@@ -496,7 +498,7 @@ pub async fn run_learner(
             if batch.len() >= cfg.max_batch_examples || cost >= cfg.token_budget {
                 break;
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.map_or(wait, |d| d.saturating_duration_since(Instant::now()));
             // Train what we have; skipped records alone still get checkpointed (positions).
             if left.is_zero() && (!batch.is_empty() || records_in_batch > 0) {
                 break;
@@ -520,6 +522,7 @@ pub async fn run_learner(
                 r = reader.recv_timeout(if batch.is_empty() { wait } else { left }) => r?,
             };
             let Some(raw) = got else { continue };
+            deadline.get_or_insert_with(|| Instant::now() + wait);
             let k = key(&raw.topic, raw.partition);
             if raw.offset < state.positions.get(&k).copied().unwrap_or(0) {
                 continue; // already in the checkpoint's weights
