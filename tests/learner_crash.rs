@@ -265,15 +265,16 @@ struct Dirs {
 }
 
 impl Dirs {
-    /// What a failure shows: the run's own log (tracing writes to stdout) and the run log.
+    /// What a failure shows: the run's output (logs on stderr, the summary on stdout) and the
+    /// run log.
     /// The temp dir is kept on failure.
     fn failure(&self, run: usize, what: &str) -> String {
         format!(
             "run {run}: {what} (files kept in {})\n--- output of run {run} (tail) ---\n{}\n{}\n\
              --- run log (tail) ---\n{}",
             self.root.display(),
-            tail(&self.root.join(format!("run{run}.stdout")), 40),
-            tail(&self.root.join(format!("run{run}.stderr")), 20),
+            tail(&self.root.join(format!("run{run}.stdout")), 20),
+            tail(&self.root.join(format!("run{run}.stderr")), 40),
             tail(&self.run_log, 10),
         )
     }
@@ -520,7 +521,7 @@ dense = 0.0
 
     // The last run stopped at max_records, not early (a stray SIGTERM or SIGINT stops it
     // cleanly too, with exit status 0).
-    // (stdout also carries the log lines; the summary is the pretty JSON at its end).
+    // (the summary is the pretty JSON at the end of stdout).
     let stdout = std::fs::read_to_string(dirs.root.join(format!("run{KILLS}.stdout"))).unwrap();
     let at = stdout.rfind("\n{\n").map_or(0, |i| i + 1);
     let summary: Value = serde_json::from_str(&stdout[at..]).unwrap();
