@@ -6,7 +6,7 @@
 //! ```sh
 //! cargo bench -p hindsight-bench --bench learning_curve
 //! # knobs (env): OBJECTIVES=none,sft,kto,dense,distill,distill-dense  EVENTS=64  EVAL_EVERY=16
-//! #   EVAL_ITEMS=20  LR=1e-3  RANK=8  SEED=0  CORRECTION_RATE=0.3  NOISE_RATE=0
+//! #   EVAL_ITEMS=20  LR=3e-3  RANK=8  BATCH=1  SEED=0  CORRECTION_RATE=0.3  NOISE_RATE=0
 //! #   CRITIQUE=rule-and-value|rule  OUT=target/bench-results/learning_curve
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
@@ -66,6 +66,7 @@ async fn main() -> anyhow::Result<()> {
         cfg.eval_items = env("EVAL_ITEMS", cfg.eval_items);
         cfg.lr = env("LR", cfg.lr);
         cfg.rank = env("RANK", cfg.rank);
+        cfg.batch_examples = env("BATCH", cfg.batch_examples);
         cfg.seed = env("SEED", cfg.seed);
         cfg.correction_rate = env("CORRECTION_RATE", cfg.correction_rate);
         cfg.noise_rate = env("NOISE_RATE", cfg.noise_rate);
