@@ -8,9 +8,9 @@ mod loader;
 mod lora;
 mod model;
 pub mod ops;
-mod tokenizer;
 pub mod publish;
 pub mod registry;
+mod tokenizer;
 
 pub mod checkpoint;
 pub mod example;
@@ -18,7 +18,6 @@ pub mod objectives;
 pub mod online;
 pub mod optim;
 pub mod trainer;
-
 
 pub use chat::ChatTemplate;
 pub use config::{Architecture, HfConfig, ModelConfig};
