@@ -359,9 +359,9 @@ impl Trainer {
         Ok(AnswerPass { logits, logprobs })
     }
 
-    /// Mean cross-entropy of `answer` after `prefix` under the policy (tracked), through the
-    /// fused LM-head cross-entropy (no `[n, V]` logits kept).
-    fn sft_loss(&self, prefix: &[u32], answer: &[u32]) -> Result<Tensor> {
+    /// Per-token cross-entropy of `answer` after `prefix` under the policy (tracked), through
+    /// the fused LM-head cross-entropy (no `[n, V]` logits kept).
+    fn sft_token_ce(&self, prefix: &[u32], answer: &[u32]) -> Result<Tensor> {
         let dev = self.model.device();
         let ids: Vec<u32> = prefix.iter().chain(answer).copied().collect();
         let len = ids.len();
@@ -377,8 +377,7 @@ impl Trainer {
             .narrow(1, prefix.len() - 1, answer.len())?
             .squeeze(0)?;
         let targets = Tensor::from_slice(answer, answer.len(), dev)?;
-        let ce = ops::cross_entropy_with_head(&rows, self.model.lm_head(), &targets)?;
-        mean(&ce)
+        Ok(ops::cross_entropy_with_head(&rows, self.model.lm_head(), &targets)?)
     }
 
     /// One optimizer step on `batch`. A step refused by a guard leaves the weights untouched
@@ -436,127 +435,154 @@ impl Trainer {
             if !applies {
                 continue;
             }
-            let student = self.answer_pass(
-                &ex.context_ids,
-                &ex.answer_ids,
-                &AdapterSelection::All(&self.policy),
-                true,
-            )?;
-            report.tokens += ex.context_ids.len() + n;
-            let s_lp: Vec<f32> = student.logprobs.detach().to_vec1()?;
-
-            // The base model's log-probs of the logged tokens: the KL guard and KTO's reference.
-            let need_base = self.cfg.kl_penalty > 0.0 || (w.kto > 0.0 && ex.thumbs.is_some());
-            let base = if need_base {
-                report.tokens += ex.context_ids.len() + n;
-                Some(
-                    self.answer_pass(
-                        &ex.context_ids,
-                        &ex.answer_ids,
-                        &AdapterSelection::None,
-                        false,
-                    )?
-                    .logprobs,
-                )
-            } else {
-                None
-            };
-            if let Some(base_lp) = &base {
-                let kl = mean(&kl_to_base(&student.logprobs, base_lp)?)?;
-                let kl_val = kl.to_scalar::<f32>()? as f64;
-                kl_sum += kl_val;
-                kl_n += 1;
-                if self.cfg.kl_penalty > 0.0 && kl_val > self.cfg.kl_budget {
-                    let pen = ((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?;
-                    note("kl_penalty", pen.to_scalar::<f32>()? as f64);
-                    push(&mut total, pen)?;
-                }
-            }
-
-            // Teacher: the EMA policy shown the feedback, on the same answer tokens.
-            let teacher = match &ex.teacher_context_ids {
-                Some(tctx) if w.distill > 0.0 || w.dense > 0.0 => {
-                    report.tokens += tctx.len() + n;
-                    Some(self.answer_pass(
-                        tctx,
-                        &ex.answer_ids,
-                        &AdapterSelection::All(&self.teacher),
-                        false,
-                    )?)
-                }
-                _ => None,
-            };
-
-            if let (Some(t), true) = (&teacher, w.distill > 0.0) {
-                let d = mean(&distill_loss(
-                    &student.logits,
-                    &t.logits,
-                    self.cfg.top_k.min(t.logits.dim(1)?),
-                    self.cfg.divergence,
-                )?)?;
-                note("distill", d.to_scalar::<f32>()? as f64);
-                push(&mut total, (d * w.distill)?)?;
-            }
-
-            if w.dense > 0.0 && (teacher.is_some() || ex.reward.is_some()) {
-                let scalar_adv = match ex.reward {
-                    Some(r) => {
-                        let b = self.state.baselines.get(&ex.route).copied().unwrap_or(0.0);
-                        baseline_updates.push((ex.route.clone(), r));
-                        r - b
-                    }
-                    None => 0.0,
-                };
-                let adv = match &teacher {
-                    Some(t) => {
-                        let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
-                        for (a, b) in t_lp.iter().zip(&s_lp) {
-                            gap_sum += (*a - *b) as f64;
-                            gap_n += 1;
-                        }
-                        dense_advantages(&t_lp, &s_lp, scalar_adv, self.cfg.gap_clip)
-                    }
-                    None => vec![scalar_adv as f32; n],
-                };
-                advs.extend_from_slice(&adv);
-                let behaviour = ex.behaviour_logprobs.as_ref().map(|b| {
-                    // Unknown entries (NaN) are treated as on-policy: ratio 1.
-                    b.iter()
-                        .zip(&s_lp)
-                        .map(|(x, s)| if x.is_finite() { *x } else { *s })
-                        .collect::<Vec<f32>>()
-                });
-                let behaviour = match behaviour {
-                    Some(b) => Some(Tensor::from_vec(b, n, &dev)?),
-                    None => None,
-                };
-                let adv = Tensor::from_vec(adv, n, &dev)?;
-                let (pg, stats) = pg_loss(
-                    &student.logprobs,
-                    behaviour.as_ref(),
-                    &adv,
-                    self.cfg.ratio_clip,
+            // The policy's pass over the logged answer feeds distillation, dense rewards, KTO
+            // and the KL guard. An example that only carries a correction skips it and the base
+            // pass: SFT has its own pass over the correction, so a pure-SFT example costs one
+            // forward instead of three (the KL guard is measured where the policy pass runs).
+            let needs_student = w.distill > 0.0 && ex.teacher_context_ids.is_some()
+                || w.dense > 0.0 && (ex.teacher_context_ids.is_some() || ex.reward.is_some())
+                || w.kto > 0.0 && ex.thumbs.is_some();
+            if needs_student {
+                let student = self.answer_pass(
+                    &ex.context_ids,
+                    &ex.answer_ids,
+                    &AdapterSelection::All(&self.policy),
+                    true,
                 )?;
-                clip_sum += stats.clip_fraction;
-                clip_n += 1;
-                let pg = mean(&pg)?;
-                note("dense", pg.to_scalar::<f32>()? as f64);
-                push(&mut total, (pg * w.dense)?)?;
-            }
+                report.tokens += ex.context_ids.len() + n;
+                let s_lp: Vec<f32> = student.logprobs.detach().to_vec1()?;
 
-            if let (Some(up), Some(base_lp), true) = (ex.thumbs, &base, w.kto > 0.0) {
-                let seq = student.logprobs.sum_all()?;
-                let reference = base_lp.sum_all()?.to_scalar::<f32>()? as f64;
-                let r = seq.to_scalar::<f32>()? as f64 - reference;
-                z_updates.push(r.max(0.0));
-                let k = kto_loss(&seq, reference, up, self.state.kto_z, &self.cfg.kto)?;
-                note("kto", k.to_scalar::<f32>()? as f64);
-                push(&mut total, (k * w.kto)?)?;
+                // The base model's log-probs of the logged tokens: the KL guard and KTO's reference.
+                let need_base = self.cfg.kl_penalty > 0.0 || (w.kto > 0.0 && ex.thumbs.is_some());
+                let base = if need_base {
+                    report.tokens += ex.context_ids.len() + n;
+                    Some(
+                        self.answer_pass(
+                            &ex.context_ids,
+                            &ex.answer_ids,
+                            &AdapterSelection::None,
+                            false,
+                        )?
+                        .logprobs,
+                    )
+                } else {
+                    None
+                };
+                if let Some(base_lp) = &base {
+                    let kl = mean(&kl_to_base(&student.logprobs, base_lp)?)?;
+                    let kl_val = kl.to_scalar::<f32>()? as f64;
+                    kl_sum += kl_val;
+                    kl_n += 1;
+                    if self.cfg.kl_penalty > 0.0 && kl_val > self.cfg.kl_budget {
+                        let pen = ((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?;
+                        note("kl_penalty", pen.to_scalar::<f32>()? as f64);
+                        push(&mut total, pen)?;
+                    }
+                }
+
+                // Teacher: the EMA policy shown the feedback, on the same answer tokens.
+                let teacher = match &ex.teacher_context_ids {
+                    Some(tctx) if w.distill > 0.0 || w.dense > 0.0 => {
+                        report.tokens += tctx.len() + n;
+                        Some(self.answer_pass(
+                            tctx,
+                            &ex.answer_ids,
+                            &AdapterSelection::All(&self.teacher),
+                            false,
+                        )?)
+                    }
+                    _ => None,
+                };
+
+                if let (Some(t), true) = (&teacher, w.distill > 0.0) {
+                    let d = mean(&distill_loss(
+                        &student.logits,
+                        &t.logits,
+                        self.cfg.top_k.min(t.logits.dim(1)?),
+                        self.cfg.divergence,
+                    )?)?;
+                    note("distill", d.to_scalar::<f32>()? as f64);
+                    push(&mut total, (d * w.distill)?)?;
+                }
+
+                if w.dense > 0.0 && (teacher.is_some() || ex.reward.is_some()) {
+                    let scalar_adv = match ex.reward {
+                        Some(r) => {
+                            let b = self.state.baselines.get(&ex.route).copied().unwrap_or(0.0);
+                            baseline_updates.push((ex.route.clone(), r));
+                            r - b
+                        }
+                        None => 0.0,
+                    };
+                    let adv = match &teacher {
+                        Some(t) => {
+                            let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
+                            for (a, b) in t_lp.iter().zip(&s_lp) {
+                                gap_sum += (*a - *b) as f64;
+                                gap_n += 1;
+                            }
+                            dense_advantages(&t_lp, &s_lp, scalar_adv, self.cfg.gap_clip)
+                        }
+                        None => vec![scalar_adv as f32; n],
+                    };
+                    advs.extend_from_slice(&adv);
+                    let behaviour = ex.behaviour_logprobs.as_ref().map(|b| {
+                        // Unknown entries (NaN) are treated as on-policy: ratio 1.
+                        b.iter()
+                            .zip(&s_lp)
+                            .map(|(x, s)| if x.is_finite() { *x } else { *s })
+                            .collect::<Vec<f32>>()
+                    });
+                    let behaviour = match behaviour {
+                        Some(b) => Some(Tensor::from_vec(b, n, &dev)?),
+                        None => None,
+                    };
+                    let adv = Tensor::from_vec(adv, n, &dev)?;
+                    let (pg, stats) = pg_loss(
+                        &student.logprobs,
+                        behaviour.as_ref(),
+                        &adv,
+                        self.cfg.ratio_clip,
+                    )?;
+                    clip_sum += stats.clip_fraction;
+                    clip_n += 1;
+                    let pg = mean(&pg)?;
+                    note("dense", pg.to_scalar::<f32>()? as f64);
+                    push(&mut total, (pg * w.dense)?)?;
+                }
+
+                if let (Some(up), Some(base_lp), true) = (ex.thumbs, &base, w.kto > 0.0) {
+                    let seq = student.logprobs.sum_all()?;
+                    let reference = base_lp.sum_all()?.to_scalar::<f32>()? as f64;
+                    let r = seq.to_scalar::<f32>()? as f64 - reference;
+                    z_updates.push(r.max(0.0));
+                    let k = kto_loss(&seq, reference, up, self.state.kto_z, &self.cfg.kto)?;
+                    note("kto", k.to_scalar::<f32>()? as f64);
+                    push(&mut total, (k * w.kto)?)?;
+                }
             }
 
             if let (Some(corr), true) = (&ex.correction_ids, w.sft > 0.0) {
                 report.tokens += ex.context_ids.len() + corr.len();
-                let l = self.sft_loss(&ex.context_ids, corr)?;
+                let ce = self.sft_token_ce(&ex.context_ids, corr)?;
+                if !needs_student && self.cfg.kl_penalty > 0.0 {
+                    // The KL guard of a pure-SFT example, on the correction's tokens: the policy's
+                    // log-probs are -CE (tracked), the base's come from one untracked pass.
+                    report.tokens += ex.context_ids.len() + corr.len();
+                    let base_lp = self
+                        .answer_pass(&ex.context_ids, corr, &AdapterSelection::None, false)?
+                        .logprobs;
+                    let kl = mean(&kl_to_base(&ce.neg()?, &base_lp)?)?;
+                    let kl_val = kl.to_scalar::<f32>()? as f64;
+                    kl_sum += kl_val;
+                    kl_n += 1;
+                    if kl_val > self.cfg.kl_budget {
+                        let pen = ((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?;
+                        note("kl_penalty", pen.to_scalar::<f32>()? as f64);
+                        push(&mut total, pen)?;
+                    }
+                }
+                let l = mean(&ce)?;
                 note("sft", l.to_scalar::<f32>()? as f64);
                 push(&mut total, (l * w.sft)?)?;
             }
@@ -854,6 +880,9 @@ mod tests {
             let r = tr.step(std::slice::from_ref(&ex)).unwrap();
             assert!(r.skipped.is_none(), "{r:?}");
             assert_eq!(r.applied.get("sft"), Some(&1));
+            // The correction's pass and the KL guard's base pass over it; no policy or base pass
+            // over the logged answer.
+            assert_eq!(r.tokens, 2 * (ex.context_ids.len() + 3), "{r:?}");
         }
         let after = logprob_of(&tr, &ex.context_ids, &[10, 11, 12]);
         assert!(
