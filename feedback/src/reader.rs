@@ -1,5 +1,7 @@
-//! Consumer-group reader over Hindsight topics: returns records with their offsets and commits
-//! positions only when the caller says the records are processed.
+//! Reader over Hindsight topics, as a consumer-group member ([`TopicReader::new`]) or as the
+//! single owner of every partition starting from its own positions ([`TopicReader::assigned`]).
+//! Returns records with their offsets and commits positions only when the caller says the
+//! records are processed.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -84,6 +86,79 @@ impl TopicReader {
         group_id: &str,
         topics: &[String],
     ) -> Result<TopicReader, LogError> {
+        Self::configure(&mut client, group_id);
+        let consumer: StreamConsumer = client.create()?;
+        let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&refs)?;
+        Ok(TopicReader { consumer })
+    }
+
+    /// Reads **every** partition of `topics` without joining the consumer group's rebalancing:
+    /// the caller owns the topics and says where each partition starts (`start`, e.g. from its
+    /// own durable checkpoint). Partitions missing from `start` begin at the group's committed
+    /// offset, else at the earliest. Commits still go to `group_id`, for lag monitoring and for
+    /// a later reader in group mode.
+    ///
+    /// This is for a single owner whose checkpoint is the source of truth (the learner): it
+    /// never waits for a rebalance, so a restart right after a crash reads at once instead of
+    /// waiting out the dead member's session (a broker may hand the new member an empty
+    /// assignment until then).
+    pub fn assigned(
+        cfg: &ValidatedLogConfig,
+        group_id: &str,
+        topics: &[Topic],
+        start: &Positions,
+        timeout: Duration,
+    ) -> Result<TopicReader, LogError> {
+        let names: Vec<String> = topics
+            .iter()
+            .map(|t| cfg.topics().get(*t).to_string())
+            .collect();
+        let mut client = cfg.client_config();
+        Self::configure(&mut client, group_id);
+        let consumer: StreamConsumer = client.create()?;
+        let mut tpl = TopicPartitionList::new();
+        let mut unknown = TopicPartitionList::new();
+        for name in &names {
+            let md = consumer.fetch_metadata(Some(name), timeout)?;
+            let partitions: Vec<i32> = md
+                .topics()
+                .iter()
+                .filter(|t| t.name() == name && t.error().is_none())
+                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                .collect();
+            if partitions.is_empty() {
+                return Err(LogError::CreateTopic {
+                    topic: name.clone(),
+                    reason: "the broker lists no partitions for it".into(),
+                });
+            }
+            for p in partitions {
+                match start.get(&(name.clone(), p)) {
+                    Some(off) => {
+                        tpl.add_partition_offset(name, p, Offset::Offset(*off))?;
+                    }
+                    None => {
+                        unknown.add_partition(name, p);
+                    }
+                }
+            }
+        }
+        if unknown.count() > 0 {
+            let committed = consumer.committed_offsets(unknown, timeout)?;
+            for e in committed.elements() {
+                let off = match e.offset() {
+                    Offset::Offset(o) if o >= 0 => Offset::Offset(o),
+                    _ => Offset::Beginning,
+                };
+                tpl.add_partition_offset(e.topic(), e.partition(), off)?;
+            }
+        }
+        consumer.assign(&tpl)?;
+        Ok(TopicReader { consumer })
+    }
+
+    fn configure(client: &mut ClientConfig, group_id: &str) {
         client
             .set("group.id", group_id)
             .set("enable.auto.commit", "false")
@@ -100,10 +175,6 @@ impl TopicReader {
         if client.get("topic.metadata.refresh.interval.ms").is_none() {
             client.set("topic.metadata.refresh.interval.ms", "5000");
         }
-        let consumer: StreamConsumer = client.create()?;
-        let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
-        consumer.subscribe(&refs)?;
-        Ok(TopicReader { consumer })
     }
 
     /// Waits for the next record. Transient broker errors (broker away, timeouts, group

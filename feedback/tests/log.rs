@@ -208,3 +208,109 @@ async fn channel_overflow_spills_and_still_delivers_everything() {
     assert!(report.complete, "{report:?}");
     assert_eq!(report.dropped_records, 0);
 }
+
+/// The assigned reader (the learner's): every partition, starting where the caller's positions
+/// say; partitions it names nothing for start at the group's committed offset, else the
+/// earliest; it reads at once, with no group rebalance, even right after another reader of the
+/// same group went away without leaving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn assigned_reader_starts_from_given_positions_then_committed_then_earliest() {
+    let spill = tempfile::tempdir().unwrap();
+    let mut raw = config(brokers(), &prefix(), spill.path());
+    raw.topic_partitions = 2;
+    let cfg = raw.validate().unwrap();
+    let (log, handle) = RecordLog::start(cfg.clone()).await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let id = Uuid::now_v7();
+        ids.push(id);
+        handle.submit(
+            Topic::Episodes,
+            format!("episode-{i}"),
+            id,
+            Bytes::from_static(b"{}"),
+        );
+    }
+    let report = log.shutdown(Duration::from_secs(10)).await;
+    assert!(report.complete);
+    // Every record, with its partition and offset (the reference).
+    let group = format!("g-{}", Uuid::now_v7());
+    let all = {
+        let r = TopicReader::assigned(
+            &cfg,
+            &group,
+            &[Topic::Episodes],
+            &Default::default(),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let mut got = Vec::new();
+        while got.len() < 40 {
+            let rec = r
+                .recv_timeout(Duration::from_secs(20))
+                .await
+                .unwrap()
+                .expect("the assigned reader reads every partition from the earliest");
+            got.push((rec.partition, rec.offset, rec.id.unwrap()));
+        }
+        assert!(
+            r.recv_timeout(Duration::from_millis(500))
+                .await
+                .unwrap()
+                .is_none(),
+            "nothing twice"
+        );
+        got
+    };
+    let ids_seen: std::collections::HashSet<Uuid> = all.iter().map(|x| x.2).collect();
+    assert_eq!(ids_seen.len(), 40);
+    let parts: std::collections::BTreeSet<i32> = all.iter().map(|x| x.0).collect();
+    assert_eq!(parts.len(), 2, "records on both partitions: {parts:?}");
+    let topic = cfg.topics().get(Topic::Episodes).to_string();
+    let count = |p: i32| all.iter().filter(|x| x.0 == p).count() as i64;
+    // Commit partition 1 at 2 through an assigned reader of the group (no member is active).
+    {
+        let r = TopicReader::assigned(
+            &cfg,
+            &group,
+            &[Topic::Episodes],
+            &Default::default(),
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let mut p = hindsight_feedback::Positions::new();
+        p.insert((topic.clone(), 1), 2);
+        r.commit_offsets(&p).unwrap();
+    }
+    // Partition 0 from the given position 3, partition 1 from the committed 2.
+    let mut start = hindsight_feedback::Positions::new();
+    start.insert((topic.clone(), 0), 3);
+    let r = TopicReader::assigned(
+        &cfg,
+        &group,
+        &[Topic::Episodes],
+        &start,
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    let want = (count(0) - 3) + (count(1) - 2);
+    let mut got = Vec::new();
+    while (got.len() as i64) < want {
+        let rec = r
+            .recv_timeout(Duration::from_secs(20))
+            .await
+            .unwrap()
+            .expect("records after the start positions");
+        got.push((rec.partition, rec.offset));
+    }
+    assert!(r
+        .recv_timeout(Duration::from_millis(500))
+        .await
+        .unwrap()
+        .is_none());
+    assert!(
+        got.iter()
+            .all(|(p, o)| (*p == 0 && *o >= 3) || (*p == 1 && *o >= 2)),
+        "{got:?}"
+    );
+}

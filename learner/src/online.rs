@@ -56,9 +56,14 @@ pub struct LearnerConfig {
     /// The adapter this learner trains and publishes.
     #[serde(default = "default_adapter_name")]
     pub adapter_name: String,
-    /// Kafka consumer group.
+    /// Kafka consumer group (offsets are committed to it in both assignment modes).
     #[serde(default = "default_group_id")]
     pub group_id: String,
+    /// How the learner gets its partitions: `checkpoint` (default) reads every partition of
+    /// the episodes topic from the checkpoint's positions, with no group rebalance to wait for;
+    /// `group` joins `group_id` and reads from its committed offsets.
+    #[serde(default)]
+    pub assignment: Assignment,
     /// Checkpoint directory.
     #[serde(default = "default_checkpoint_dir")]
     pub checkpoint_dir: PathBuf,
@@ -104,6 +109,21 @@ pub struct LearnerConfig {
     /// Example building.
     #[serde(default)]
     pub examples: ExampleConfig,
+}
+
+/// How the learner is given the episodes topic's partitions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Assignment {
+    /// Own every partition and start where the checkpoint says (partitions it does not name:
+    /// the group's committed offset, else the earliest). The checkpoint is the source of truth,
+    /// so a restart reads at once, and commits are advisory (a failed commit is logged).
+    #[default]
+    Checkpoint,
+    /// Join the consumer group and read from its committed offsets. A restart within the
+    /// previous member's session timeout may wait for the rebalance (tansu can hand out an
+    /// empty assignment until the old member expires).
+    Group,
 }
 
 fn default_model_path() -> PathBuf {
@@ -454,8 +474,30 @@ pub async fn run_learner(
         Duration::from_secs(30),
     )
     .await?;
-    let reader = TopicReader::new(&setup.log, &cfg.group_id, &[Topic::Episodes])?;
-    info!(topic = %topic, group = %cfg.group_id, adapter = %cfg.adapter_name, "Learner consuming episodes.");
+    let reader = match cfg.assignment {
+        Assignment::Checkpoint => TopicReader::assigned(
+            &setup.log,
+            &cfg.group_id,
+            &[Topic::Episodes],
+            &to_positions(&state.positions),
+            Duration::from_secs(30),
+        )?,
+        Assignment::Group => TopicReader::new(&setup.log, &cfg.group_id, &[Topic::Episodes])?,
+    };
+    info!(topic = %topic, group = %cfg.group_id, assignment = ?cfg.assignment, adapter = %cfg.adapter_name, "Learner consuming episodes.");
+    // Checkpoint first, then commit. In `checkpoint` assignment the commit only reports
+    // progress (the checkpoint decides where a restart reads), so a broker refusing it does not
+    // stop training; in `group` mode it decides where a restart reads, so it must succeed.
+    let commit = |positions: &BTreeMap<String, i64>| -> Result<(), OnlineError> {
+        match reader.commit_offsets(&to_positions(positions)) {
+            Ok(()) => Ok(()),
+            Err(e) if cfg.assignment == Assignment::Checkpoint => {
+                warn!(error = %e, "Offset commit failed (advisory; the checkpoint holds the positions).");
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    };
 
     let mut summary = LearnerSummary::default();
     let emit = |e: LearnerEvent| {
@@ -623,7 +665,7 @@ pub async fn run_learner(
             || (stop && (batches_since_ckpt > 0 || moved))
         {
             checkpoint(&store, &mut trainer_slot, &mut state, &mut run_log).await?;
-            reader.commit_offsets(&to_positions(&state.positions))?;
+            commit(&state.positions)?;
             batches_since_ckpt = 0;
         }
 
@@ -648,7 +690,7 @@ pub async fn run_learner(
             if let Some(reg) = &registry {
                 if batches_since_ckpt > 0 {
                     checkpoint(&store, &mut trainer_slot, &mut state, &mut run_log).await?;
-                    reader.commit_offsets(&to_positions(&state.positions))?;
+                    commit(&state.positions)?;
                     batches_since_ckpt = 0;
                 }
                 let tr = trainer_slot
@@ -685,7 +727,7 @@ pub async fn run_learner(
                 }
                 // The candidate bookkeeping belongs in the checkpoint too.
                 checkpoint(&store, &mut trainer_slot, &mut state, &mut run_log).await?;
-                reader.commit_offsets(&to_positions(&state.positions))?;
+                commit(&state.positions)?;
             }
         }
         if stop {

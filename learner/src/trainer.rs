@@ -377,7 +377,11 @@ impl Trainer {
             .narrow(1, prefix.len() - 1, answer.len())?
             .squeeze(0)?;
         let targets = Tensor::from_slice(answer, answer.len(), dev)?;
-        Ok(ops::cross_entropy_with_head(&rows, self.model.lm_head(), &targets)?)
+        Ok(ops::cross_entropy_with_head(
+            &rows,
+            self.model.lm_head(),
+            &targets,
+        )?)
     }
 
     /// One optimizer step on `batch`. A step refused by a guard leaves the weights untouched
