@@ -135,6 +135,7 @@ fn episode(i: usize, answered: bool) -> EpisodeRecord {
         context: EpisodeContext {
             messages: json!([{"role": "user", "content": format!("Capital of {country}? ({i})")}]),
             tools: None,
+            tool_choice: None,
             model: None,
         },
         answer: answered.then(|| json!({"role": "assistant", "content": format!("{capital}.")})),

@@ -607,6 +607,7 @@ impl Joiner {
                 .cloned()
                 .unwrap_or(Value::Null),
             tools: i.request.get("tools").cloned(),
+            tool_choice: i.request.get("tool_choice").cloned(),
             model: i
                 .request
                 .get("model")

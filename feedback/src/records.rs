@@ -248,6 +248,9 @@ pub struct EpisodeContext {
     /// Request tools, when present.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools: Option<serde_json::Value>,
+    /// Request `tool_choice`, when present (`"none"` keeps the tools out of the prompt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_choice: Option<serde_json::Value>,
     /// The request's model field, when present.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,

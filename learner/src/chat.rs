@@ -148,6 +148,174 @@ impl ChatTemplate {
     }
 }
 
+/// A chat request's messages or tools that cannot be made into a prompt.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatInputError {
+    /// A field of the request is invalid (`field` is its JSON path, e.g. `messages[2].role`).
+    #[error("{field}: {reason}")]
+    Invalid {
+        /// JSON path of the offending field.
+        field: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The template refused the conversation.
+    #[error(transparent)]
+    Template(#[from] LearnerError),
+}
+
+fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ChatInputError {
+    ChatInputError::Invalid {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// The tools a request puts in the prompt: every tool unless `tool_choice` is `"none"`.
+pub fn prompt_tools(
+    tools: Option<&serde_json::Value>,
+    tool_choice: Option<&serde_json::Value>,
+) -> Vec<serde_json::Value> {
+    if tool_choice.and_then(serde_json::Value::as_str) == Some("none") {
+        return Vec::new();
+    }
+    match tools {
+        Some(serde_json::Value::Array(t)) => t.clone(),
+        _ => Vec::new(),
+    }
+}
+
+/// The system-prompt block describing tools, for templates that know nothing of tools
+/// (the Hermes-style `<tool_call>` convention, which `hindsight serve` parses back).
+pub fn tool_instructions(tools: &[serde_json::Value]) -> String {
+    let mut s = String::from(
+        "You may call one or more functions to assist with the user query. You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
+    );
+    for t in tools {
+        s.push_str(&t.get("function").unwrap_or(t).to_string());
+        s.push('\n');
+    }
+    s.push_str("</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
+    s
+}
+
+/// A message's `content` as text: a string, null, or an array of text parts.
+pub fn content_text(
+    content: &serde_json::Value,
+    idx: usize,
+) -> std::result::Result<String, ChatInputError> {
+    use serde_json::Value as J;
+    match content {
+        J::Null => Ok(String::new()),
+        J::String(s) => Ok(s.clone()),
+        J::Array(parts) => {
+            let mut out = String::new();
+            for p in parts {
+                match (p.get("type").and_then(J::as_str), p.get("text")) {
+                    (Some("text"), Some(J::String(t))) => out.push_str(t),
+                    _ => {
+                        return Err(invalid(
+                            format!("messages[{idx}].content"),
+                            "only text content parts are supported",
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        _ => Err(invalid(
+            format!("messages[{idx}].content"),
+            "content must be a string or an array of text parts",
+        )),
+    }
+}
+
+impl ChatTemplate {
+    /// Whether the template renders `tools` itself (otherwise tools are described in the system
+    /// message and calls/results are written as `<tool_call>` / `<tool_response>` text).
+    pub fn native_tools(&self) -> bool {
+        self.source.contains("tools")
+    }
+
+    /// The prompt for an OpenAI-style chat request, exactly as `hindsight serve` builds it:
+    /// `developer` becomes `system`, content parts are joined, and for templates without native
+    /// tool support, assistant `tool_calls` become `<tool_call>` blocks, `tool` messages become
+    /// `<tool_response>` blocks and the tools are described in the system message. The learner
+    /// renders logged requests through this same function, so it trains on the very prompt the
+    /// served model saw (and its behaviour log-probs describe).
+    pub fn render_chat(
+        &self,
+        messages: &[serde_json::Value],
+        tools: &[serde_json::Value],
+    ) -> std::result::Result<String, ChatInputError> {
+        use serde_json::{json, Value as J};
+        let native_tools = self.native_tools();
+        let mut out = Vec::with_capacity(messages.len() + 1);
+        for (i, m) in messages.iter().enumerate() {
+            let role = m.get("role").and_then(J::as_str).ok_or_else(|| {
+                invalid(format!("messages[{i}].role"), "each message needs a role")
+            })?;
+            if !["system", "developer", "user", "assistant", "tool"].contains(&role) {
+                return Err(invalid(
+                    format!("messages[{i}].role"),
+                    format!("unknown role {role:?}"),
+                ));
+            }
+            let mut text = content_text(m.get("content").unwrap_or(&J::Null), i)?;
+            let mut msg = m.as_object().cloned().unwrap_or_default();
+            let role = if role == "developer" { "system" } else { role };
+            msg.insert("role".into(), json!(role));
+            if !native_tools {
+                if let Some(J::Array(calls)) = m.get("tool_calls") {
+                    for c in calls {
+                        let f = c.get("function").cloned().unwrap_or(J::Null);
+                        let args = match f.get("arguments") {
+                            Some(J::String(s)) => serde_json::from_str(s).unwrap_or(json!(s)),
+                            Some(v) => v.clone(),
+                            None => json!({}),
+                        };
+                        let call = json!({"name": f.get("name").cloned().unwrap_or(J::Null), "arguments": args});
+                        if !text.is_empty() {
+                            text.push('\n');
+                        }
+                        text.push_str(&format!("<tool_call>\n{call}\n</tool_call>"));
+                    }
+                    msg.remove("tool_calls");
+                }
+                if role == "tool" {
+                    text = format!("<tool_response>\n{text}\n</tool_response>");
+                }
+            }
+            msg.insert("content".into(), json!(text));
+            out.push(J::Object(msg));
+        }
+        let tools_value = (!tools.is_empty()).then(|| J::Array(tools.to_vec()));
+        if !native_tools && !tools.is_empty() {
+            let block = tool_instructions(tools);
+            match out.first_mut() {
+                Some(J::Object(first)) if first.get("role") == Some(&json!("system")) => {
+                    let old = first
+                        .get("content")
+                        .and_then(J::as_str)
+                        .unwrap_or("")
+                        .to_string();
+                    first.insert("content".into(), json!(format!("{old}\n\n{block}")));
+                }
+                _ => out.insert(0, json!({"role": "system", "content": block})),
+            }
+        }
+        Ok(self.render(
+            &J::Array(out),
+            if native_tools {
+                tools_value.as_ref()
+            } else {
+                None
+            },
+            true,
+        )?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,5 +345,69 @@ mod tests {
                 .unwrap(),
             "ok"
         );
+    }
+
+    #[test]
+    fn render_chat_writes_tools_calls_and_results_for_templates_without_tools() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        assert!(!t.native_tools());
+        let tools = vec![
+            json!({"type": "function", "function": {"name": "lookup_order", "parameters": {"type": "object"}}}),
+        ];
+        let messages = vec![
+            json!({"role": "developer", "content": "Be brief."}),
+            json!({"role": "user", "content": [{"type": "text", "text": "Where is "}, {"type": "text", "text": "ORD-1?"}]}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "lookup_order", "arguments": "{\"order_id\":\"ORD-1\"}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": "{\"status\":\"shipped\"}"}),
+        ];
+        let text = t.render_chat(&messages, &tools).unwrap();
+        assert!(
+            text.starts_with("<system>Be brief.\n\nYou may call one or more functions"),
+            "{text}"
+        );
+        assert!(
+            text.contains("<tools>\n{\"name\":\"lookup_order\""),
+            "{text}"
+        );
+        assert!(text.contains("<user>Where is ORD-1?</user>"), "{text}");
+        assert!(
+            text.contains("<assistant><tool_call>\n{\"arguments\":{\"order_id\":\"ORD-1\"},\"name\":\"lookup_order\"}\n</tool_call></assistant>"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "<tool><tool_response>\n{\"status\":\"shipped\"}\n</tool_response></tool>"
+            ),
+            "{text}"
+        );
+        assert!(text.ends_with("<assistant>"));
+        // No tools in play: no block; tool_choice "none" removes them from the prompt.
+        assert!(prompt_tools(Some(&json!(tools)), Some(&json!("none"))).is_empty());
+        assert_eq!(
+            prompt_tools(Some(&json!(tools)), Some(&json!("auto"))).len(),
+            1
+        );
+        let plain = t.render_chat(&messages[..2], &[]).unwrap();
+        assert_eq!(
+            plain,
+            "<system>Be brief.</system><user>Where is ORD-1?</user><assistant>"
+        );
+        // Bad input names the field.
+        let err = t
+            .render_chat(&[json!({"role": "robot", "content": "x"})], &[])
+            .unwrap_err();
+        assert_eq!(err.to_string(), "messages[0].role: unknown role \"robot\"");
+        let err = t
+            .render_chat(
+                &[json!({"role": "user", "content": [{"type": "image_url"}]})],
+                &[],
+            )
+            .unwrap_err();
+        assert!(err.to_string().starts_with("messages[0].content:"), "{err}");
     }
 }

@@ -10,8 +10,8 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 use uuid::Uuid;
 
-use crate::chat::ChatTemplate;
-use crate::error::Result;
+use crate::chat::{prompt_tools, ChatInputError, ChatTemplate};
+use crate::error::{LearnerError, Result};
 use crate::tokenizer::encode;
 
 /// How examples are built.
@@ -224,12 +224,15 @@ pub fn build_example(
     }
     let reward = (!rewards.is_empty()).then(|| rewards.iter().sum::<f64>() / rewards.len() as f64);
 
+    // The prompt exactly as `hindsight serve` built it (tool block, `<tool_call>` and
+    // `<tool_response>` text for templates without native tools), so the student's log-probs
+    // and the logged behaviour log-probs describe the same prompt.
+    let tools = prompt_tools(rec.context.tools.as_ref(), rec.context.tool_choice.as_ref());
     let render = |msgs: &[Value]| -> Result<Vec<u32>> {
-        let text = template.render(
-            &Value::Array(msgs.to_vec()),
-            rec.context.tools.as_ref(),
-            true,
-        )?;
+        let text = template.render_chat(msgs, &tools).map_err(|e| match e {
+            ChatInputError::Template(e) => e,
+            e => LearnerError::InvalidArgument(e.to_string()),
+        })?;
         encode(tokenizer, &text)
     };
     let context_ids = render(messages).map_err(|_| SkipReason::Unrenderable)?;
@@ -385,6 +388,7 @@ mod tests {
             context: EpisodeContext {
                 messages: serde_json::json!([{"role": "user", "content": "hello"}]),
                 tools: None,
+                tool_choice: None,
                 model: None,
             },
             answer: Some(serde_json::json!({"role": "assistant", "content": "hi"})),

@@ -19,7 +19,7 @@ pub mod online;
 pub mod optim;
 pub mod trainer;
 
-pub use chat::ChatTemplate;
+pub use chat::{content_text, prompt_tools, tool_instructions, ChatInputError, ChatTemplate};
 pub use config::{Architecture, HfConfig, ModelConfig};
 pub use error::{LearnerError, Result};
 pub use generate::{

@@ -12,6 +12,7 @@ pub use adapters::{AdapterRegistry, AdapterTable, AdapterVersion, LoadRequest};
 pub use engine::{grammar_vocab, EngineConfig};
 pub use error::ServeError;
 pub use grammar::{compile_schema, JsonState};
+pub use openai::{chat_prompt, parse_body, ChatPrompt, RawRequest, ToolMode};
 pub use server::{
     app, run_serve, serve, ServeArgs, ServeConfig, ServeState, ADAPTER_HEADER, BEHAVIOUR_HEADER,
 };

@@ -283,46 +283,6 @@ pub struct ChatPrompt {
     pub tools: ToolMode,
 }
 
-fn content_text(content: &Value, idx: usize) -> Result<String, ServeError> {
-    match content {
-        Value::Null => Ok(String::new()),
-        Value::String(s) => Ok(s.clone()),
-        Value::Array(parts) => {
-            let mut out = String::new();
-            for p in parts {
-                match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                    (Some("text"), Some(Value::String(t))) => out.push_str(t),
-                    _ => {
-                        return Err(ServeError::invalid(
-                            &format!("messages[{idx}].content"),
-                            "only text content parts are supported",
-                        ))
-                    }
-                }
-            }
-            Ok(out)
-        }
-        _ => Err(ServeError::invalid(
-            &format!("messages[{idx}].content"),
-            "content must be a string or an array of text parts",
-        )),
-    }
-}
-
-/// The system-prompt block describing tools, for templates that know nothing of tools
-/// (Hermes-style `<tool_call>` convention, which `parse_tool_calls` reads back).
-fn tool_instructions(tools: &[Value]) -> String {
-    let mut s = String::from(
-        "You may call one or more functions to assist with the user query. You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
-    );
-    for t in tools {
-        s.push_str(&t.get("function").unwrap_or(t).to_string());
-        s.push('\n');
-    }
-    s.push_str("</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
-    s
-}
-
 fn tool_name(t: &Value) -> Option<&str> {
     t.get("function")?.get("name")?.as_str()
 }
@@ -478,70 +438,16 @@ pub fn chat_prompt(
         }
     };
     let (mode, tool_grammar, tools) = tool_setup(req)?;
-    let native_tools = template.source().contains("tools");
-    let mut out = Vec::with_capacity(messages.len() + 1);
-    for (i, m) in messages.iter().enumerate() {
-        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-            ServeError::invalid(&format!("messages[{i}].role"), "each message needs a role")
+    // The same renderer the learner uses for logged requests (hindsight_learner::ChatTemplate::
+    // render_chat), so what is trained on is the prompt that was served.
+    let text = template
+        .render_chat(messages, &tools)
+        .map_err(|e| match e {
+            hindsight_learner::ChatInputError::Invalid { field, reason } => {
+                ServeError::invalid(&field, reason)
+            }
+            hindsight_learner::ChatInputError::Template(e) => e.into(),
         })?;
-        if !["system", "developer", "user", "assistant", "tool"].contains(&role) {
-            return Err(ServeError::invalid(
-                &format!("messages[{i}].role"),
-                format!("unknown role {role:?}"),
-            ));
-        }
-        let mut text = content_text(m.get("content").unwrap_or(&Value::Null), i)?;
-        let mut msg = m.as_object().cloned().unwrap_or_default();
-        let role = if role == "developer" { "system" } else { role };
-        msg.insert("role".into(), json!(role));
-        if !native_tools {
-            if let Some(Value::Array(calls)) = m.get("tool_calls") {
-                for c in calls {
-                    let f = c.get("function").cloned().unwrap_or(Value::Null);
-                    let args = match f.get("arguments") {
-                        Some(Value::String(s)) => serde_json::from_str(s).unwrap_or(json!(s)),
-                        Some(v) => v.clone(),
-                        None => json!({}),
-                    };
-                    let call = json!({"name": f.get("name").cloned().unwrap_or(Value::Null), "arguments": args});
-                    if !text.is_empty() {
-                        text.push('\n');
-                    }
-                    text.push_str(&format!("<tool_call>\n{call}\n</tool_call>"));
-                }
-                msg.remove("tool_calls");
-            }
-            if role == "tool" {
-                text = format!("<tool_response>\n{text}\n</tool_response>");
-            }
-        }
-        msg.insert("content".into(), json!(text));
-        out.push(Value::Object(msg));
-    }
-    let tools_value = (!tools.is_empty()).then(|| Value::Array(tools.clone()));
-    if !native_tools && !tools.is_empty() {
-        let block = tool_instructions(&tools);
-        match out.first_mut() {
-            Some(Value::Object(first)) if first.get("role") == Some(&json!("system")) => {
-                let old = first
-                    .get("content")
-                    .and_then(Value::as_str)
-                    .unwrap_or("")
-                    .to_string();
-                first.insert("content".into(), json!(format!("{old}\n\n{block}")));
-            }
-            _ => out.insert(0, json!({"role": "system", "content": block})),
-        }
-    }
-    let text = template.render(
-        &Value::Array(out),
-        if native_tools {
-            tools_value.as_ref()
-        } else {
-            None
-        },
-        true,
-    )?;
     let grammar = match tool_grammar {
         Some(g) => Some(g),
         None => response_format_grammar(req)?,
