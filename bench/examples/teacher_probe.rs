@@ -1,0 +1,170 @@
+//! Does the hindsight teacher know better **at the token level**? Self-distillation only moves
+//! the student where the teacher's next-token distribution on the logged answer differs from the
+//! student's, so this probe measures exactly that on the simulated environment.
+//!
+//! For `N` training tickets, the logged answer is the base model's typical answer (the correct
+//! department, `"priority": "low"`, `"refund": false`, `"refund_amount": 0`, which is what the
+//! default model answers almost every ticket with); the simulated user's critique of it names
+//! the broken rules. At the position of each **wrong** field value, it compares the student
+//! (original prompt) with the teacher (prompt plus the critique, for each placement): the
+//! probability of the correct value's first token, and whether it is the argmax.
+//!
+//! ```sh
+//! cargo run --release -p hindsight-bench --example teacher_probe -- [N] [rule-and-value|rule]
+//! ```
+use anyhow::Context;
+use hindsight_bench::env::{
+    critique, messages, resolve, CritiqueStyle, PromptOptions, Rng, Split, Variant, World,
+};
+use hindsight_eval::{hindsight_messages, HindsightPlacement};
+use hindsight_learner::candle_core::{DType, Device, Tensor, D};
+use hindsight_learner::{encode, AdapterSelection, BatchLayout, ModelBundle};
+use serde_json::{json, Value};
+
+/// Log-softmax of the next-token logits after `text`.
+fn next_logprobs(bundle: &ModelBundle, text: &str) -> anyhow::Result<Vec<f32>> {
+    let ids = encode(&bundle.tokenizer, text)?;
+    let len = ids.len();
+    let input = Tensor::from_vec(ids, (1, len), &Device::Cpu)?;
+    let logits = bundle
+        .model
+        .forward(
+            &input,
+            &BatchLayout::dense(1, len, 0),
+            None,
+            &AdapterSelection::None,
+        )?
+        .squeeze(0)?
+        .narrow(0, len - 1, 1)?
+        .squeeze(0)?;
+    let lp = hindsight_learner::candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    Ok(lp.to_vec1()?)
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(20);
+    let style = match args.next().as_deref() {
+        Some("rule") => CritiqueStyle::Rule,
+        _ => CritiqueStyle::RuleAndValue,
+    };
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bundle = ModelBundle::load(
+        &root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let template = bundle.chat_template.as_ref().context("chat template")?;
+    let world = World::new(0);
+    let options = PromptOptions {
+        variant: Variant::Single,
+        with_rules: false,
+        response_format: true,
+    };
+    let placements = [
+        HindsightPlacement::SystemNoAnswer,
+        HindsightPlacement::UserNote,
+        HindsightPlacement::UserTurn,
+    ];
+    // Per placement (index 0 = student): sum of p(correct), argmax hits, positions.
+    let mut p_sum = vec![0.0f64; placements.len() + 1];
+    let mut hits = vec![0usize; placements.len() + 1];
+    let mut positions = 0usize;
+    let mut rng = Rng::new(7);
+    for ticket in world.tickets(Split::Train, n) {
+        let res = resolve(&ticket);
+        let d = &res.decision;
+        let logged = json!({
+            "department": d.department,
+            "priority": "low",
+            "refund": false,
+            "refund_amount": 0,
+        });
+        let map = logged.as_object().context("object")?;
+        let broken = res.broken_rules(Some(map));
+        if broken.is_empty() {
+            continue;
+        }
+        let answer_text = logged.to_string();
+        let fb = critique(&mut rng, &ticket, &res, &broken, false, style);
+        let msgs: Vec<Value> = messages(&ticket, options);
+        let mut contexts = vec![template.render_chat(&msgs, &[])?];
+        for p in placements {
+            let m = hindsight_messages(p, &msgs, &answer_text, &fb);
+            contexts.push(template.render_chat(&m, &[])?);
+        }
+        // The wrong fields: priority and refund (department is logged correct).
+        let expected = d.to_json();
+        for (field, wrong) in [("priority", json!("low")), ("refund", json!(false))] {
+            if expected[field] == wrong {
+                continue;
+            }
+            // The prefix ends where the value's first token starts: after the opening quote of
+            // a string value (`"priority":"` + `normal`), after the colon otherwise.
+            let quote = usize::from(expected[field].is_string());
+            let prefix = &answer_text[..answer_text
+                .find(&format!("\"{field}\":"))
+                .context("field")?
+                + field.len()
+                + 3
+                + quote];
+            let plain = |v: &Value| match v {
+                Value::String(s) => s.clone(),
+                v => v.to_string(),
+            };
+            let (correct, wrong_text) = (plain(&expected[field]), plain(&wrong));
+            // First token of the correct and of the logged value, after the prefix; skipped when
+            // the tokenizer merges across the boundary.
+            let first = |v: &str| -> anyhow::Result<Option<u32>> {
+                let with = encode(&bundle.tokenizer, &format!("{}{prefix}{v}", contexts[0]))?;
+                let without = encode(&bundle.tokenizer, &format!("{}{prefix}", contexts[0]))?;
+                Ok((with.len() > without.len() && with[..without.len()] == without[..])
+                    .then(|| with[without.len()]))
+            };
+            let (Some(c), Some(w)) = (first(&correct)?, first(&wrong_text)?) else {
+                eprintln!("{} {field}: token boundary merges; skipped", ticket.ticket_id);
+                continue;
+            };
+            positions += 1;
+            for (i, ctx) in contexts.iter().enumerate() {
+                let lp = next_logprobs(&bundle, &format!("{ctx}{prefix}"))?;
+                p_sum[i] += (lp[c as usize] as f64).exp();
+                let argmax = lp
+                    .iter()
+                    .enumerate()
+                    .max_by(|a, b| a.1.total_cmp(b.1))
+                    .map(|(i, _)| i as u32);
+                if argmax == Some(c) {
+                    hits[i] += 1;
+                }
+                if i == 0 {
+                    eprint!(
+                        "{} {field}: p(correct {correct}) student {:.3} (p(logged) {:.3})",
+                        ticket.ticket_id,
+                        (lp[c as usize] as f64).exp(),
+                        (lp[w as usize] as f64).exp()
+                    );
+                } else {
+                    eprint!(" | {:?} {:.3}", placements[i - 1], (lp[c as usize] as f64).exp());
+                }
+            }
+            eprintln!();
+        }
+    }
+    println!(
+        "\n{positions} wrong-field positions over {n} train tickets, critique style {style:?}:"
+    );
+    println!("| prompt | mean p(correct value) | correct value is the argmax |");
+    println!("| --- | ---: | ---: |");
+    let names = std::iter::once("student (as deployed)".to_string())
+        .chain(placements.iter().map(|p| format!("teacher, {p:?}")));
+    for (i, name) in names.enumerate() {
+        println!(
+            "| {name} | {:.3} | {}/{} |",
+            p_sum[i] / positions.max(1) as f64,
+            hits[i],
+            positions
+        );
+    }
+    Ok(())
+}
