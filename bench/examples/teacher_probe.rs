@@ -118,11 +118,16 @@ fn main() -> anyhow::Result<()> {
             let first = |v: &str| -> anyhow::Result<Option<u32>> {
                 let with = encode(&bundle.tokenizer, &format!("{}{prefix}{v}", contexts[0]))?;
                 let without = encode(&bundle.tokenizer, &format!("{}{prefix}", contexts[0]))?;
-                Ok((with.len() > without.len() && with[..without.len()] == without[..])
-                    .then(|| with[without.len()]))
+                Ok(
+                    (with.len() > without.len() && with[..without.len()] == without[..])
+                        .then(|| with[without.len()]),
+                )
             };
             let (Some(c), Some(w)) = (first(&correct)?, first(&wrong_text)?) else {
-                eprintln!("{} {field}: token boundary merges; skipped", ticket.ticket_id);
+                eprintln!(
+                    "{} {field}: token boundary merges; skipped",
+                    ticket.ticket_id
+                );
                 continue;
             };
             positions += 1;
@@ -145,7 +150,11 @@ fn main() -> anyhow::Result<()> {
                         (lp[w as usize] as f64).exp()
                     );
                 } else {
-                    eprint!(" | {:?} {:.3}", placements[i - 1], (lp[c as usize] as f64).exp());
+                    eprint!(
+                        " | {:?} {:.3}",
+                        placements[i - 1],
+                        (lp[c as usize] as f64).exp()
+                    );
                 }
             }
             eprintln!();

@@ -22,8 +22,8 @@ use crate::example::TrainExample;
 use crate::lora::{Adapter, AdapterSelection, LoraConfig, LoraInit};
 use crate::model::{BatchLayout, Model};
 use crate::objectives::{
-    dense_advantages, distill_loss, kl_to_base, kto_loss, mean, pg_loss, token_logprobs,
-    Divergence, KtoConfig,
+    dense_advantages, distill_loss, kl_exact, kto_loss, mean, pg_loss, token_logprobs, Divergence,
+    KtoConfig,
 };
 use crate::ops;
 use crate::optim::{AdamW, AdamWConfig};
@@ -456,24 +456,23 @@ impl Trainer {
                 report.tokens += ex.context_ids.len() + n;
                 let s_lp: Vec<f32> = student.logprobs.detach().to_vec1()?;
 
-                // The base model's log-probs of the logged tokens: the KL guard and KTO's reference.
+                // The base model at the logged positions: the KL guard (its full next-token
+                // distributions) and KTO's reference (its log-probs of the logged tokens).
                 let need_base = self.cfg.kl_penalty > 0.0 || (w.kto > 0.0 && ex.thumbs.is_some());
-                let base = if need_base {
+                let base_pass = if need_base {
                     report.tokens += ex.context_ids.len() + n;
-                    Some(
-                        self.answer_pass(
-                            &ex.context_ids,
-                            &ex.answer_ids,
-                            &AdapterSelection::None,
-                            false,
-                        )?
-                        .logprobs,
-                    )
+                    Some(self.answer_pass(
+                        &ex.context_ids,
+                        &ex.answer_ids,
+                        &AdapterSelection::None,
+                        false,
+                    )?)
                 } else {
                     None
                 };
-                if let Some(base_lp) = &base {
-                    let kl = mean(&kl_to_base(&student.logprobs, base_lp)?)?;
+                let base = base_pass.as_ref().map(|b| b.logprobs.clone());
+                if let Some(bp) = &base_pass {
+                    let kl = mean(&kl_exact(&student.logits, &bp.logits)?)?;
                     let kl_val = kl.to_scalar::<f32>()? as f64;
                     kl_sum += kl_val;
                     kl_n += 1;
@@ -568,15 +567,26 @@ impl Trainer {
 
             if let (Some(corr), true) = (&ex.correction_ids, w.sft > 0.0) {
                 report.tokens += ex.context_ids.len() + corr.len();
-                let ce = self.sft_token_ce(&ex.context_ids, corr)?;
-                if !needs_student && self.cfg.kl_penalty > 0.0 {
-                    // The KL guard of a pure-SFT example, on the correction's tokens: the policy's
-                    // log-probs are -CE (tracked), the base's come from one untracked pass.
+                let guard_here = !needs_student && self.cfg.kl_penalty > 0.0;
+                // A pure-SFT example measures its KL guard at the correction's positions, so its
+                // pass keeps the logits (`[n, V]`, a few MB); otherwise the fused cross-entropy.
+                let (ce, policy_logits) = if guard_here {
+                    let pass = self.answer_pass(
+                        &ex.context_ids,
+                        corr,
+                        &AdapterSelection::All(&self.policy),
+                        true,
+                    )?;
+                    (pass.logprobs.neg()?, Some(pass.logits))
+                } else {
+                    (self.sft_token_ce(&ex.context_ids, corr)?, None)
+                };
+                if let Some(policy_logits) = policy_logits {
                     report.tokens += ex.context_ids.len() + corr.len();
-                    let base_lp = self
+                    let base_logits = self
                         .answer_pass(&ex.context_ids, corr, &AdapterSelection::None, false)?
-                        .logprobs;
-                    let kl = mean(&kl_to_base(&ce.neg()?, &base_lp)?)?;
+                        .logits;
+                    let kl = mean(&kl_exact(&policy_logits, &base_logits)?)?;
                     let kl_val = kl.to_scalar::<f32>()? as f64;
                     kl_sum += kl_val;
                     kl_n += 1;
