@@ -92,7 +92,8 @@ pub struct TrainerConfig {
     /// KTO.
     #[serde(default)]
     pub kto: KtoConfig,
-    /// KL(policy ‖ base) per logged token above which the penalty applies (nats).
+    /// Mean exact KL(policy ‖ base) per logged position (nats, summed over the vocabulary)
+    /// above which the penalty applies.
     #[serde(default = "default_kl_budget")]
     pub kl_budget: f64,
     /// Weight of the penalty on KL above the budget.
