@@ -209,6 +209,22 @@ async fn channel_overflow_spills_and_still_delivers_everything() {
     assert_eq!(report.dropped_records, 0);
 }
 
+/// The learner's reader on the episodes topic of `cfg` (10 s broker timeout).
+fn assigned(
+    cfg: &ValidatedLogConfig,
+    group: &str,
+    start: &hindsight_feedback::Positions,
+) -> TopicReader {
+    TopicReader::assigned(
+        cfg,
+        group,
+        &[Topic::Episodes],
+        start,
+        Duration::from_secs(10),
+    )
+    .unwrap()
+}
+
 /// The assigned reader (the learner's): every partition, starting where the caller's positions
 /// say; partitions it names nothing for start at the group's committed offset, else the
 /// earliest; it reads at once, with no group rebalance, even right after another reader of the
@@ -236,14 +252,7 @@ async fn assigned_reader_starts_from_given_positions_then_committed_then_earlies
     // Every record, with its partition and offset (the reference).
     let group = format!("g-{}", Uuid::now_v7());
     let all = {
-        let r = TopicReader::assigned(
-            &cfg,
-            &group,
-            &[Topic::Episodes],
-            &Default::default(),
-            Duration::from_secs(10),
-        )
-        .unwrap();
+        let r = assigned(&cfg, &group, &Default::default());
         let mut got = Vec::new();
         while got.len() < 40 {
             let rec = r
@@ -270,14 +279,7 @@ async fn assigned_reader_starts_from_given_positions_then_committed_then_earlies
     let count = |p: i32| all.iter().filter(|x| x.0 == p).count() as i64;
     // Commit partition 1 at 2 through an assigned reader of the group (no member is active).
     {
-        let r = TopicReader::assigned(
-            &cfg,
-            &group,
-            &[Topic::Episodes],
-            &Default::default(),
-            Duration::from_secs(10),
-        )
-        .unwrap();
+        let r = assigned(&cfg, &group, &Default::default());
         let mut p = hindsight_feedback::Positions::new();
         p.insert((topic.clone(), 1), 2);
         r.commit_offsets(&p).unwrap();
@@ -285,14 +287,7 @@ async fn assigned_reader_starts_from_given_positions_then_committed_then_earlies
     // Partition 0 from the given position 3, partition 1 from the committed 2.
     let mut start = hindsight_feedback::Positions::new();
     start.insert((topic.clone(), 0), 3);
-    let r = TopicReader::assigned(
-        &cfg,
-        &group,
-        &[Topic::Episodes],
-        &start,
-        Duration::from_secs(10),
-    )
-    .unwrap();
+    let r = assigned(&cfg, &group, &start);
     let want = (count(0) - 3) + (count(1) - 2);
     let mut got = Vec::new();
     while (got.len() as i64) < want {
