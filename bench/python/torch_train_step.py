@@ -8,6 +8,9 @@ Written the way a PyTorch user would (HF-style modules, F.scaled_dot_product_att
 F.cross_entropy over the full logits), so the ratio measures candle against idiomatic PyTorch.
 
 Usage: python3 bench/python/torch_train_step.py [--steps N] [--candle-json PATH]
+       [--device cpu|cuda] [--dtype float32|bfloat16] [--batch B] [--seq T]
+On a GPU (`--device cuda`) the frozen weights are held in `--dtype` and the LoRA matrices in
+float32, as the candle model does; step times are taken after torch.cuda.synchronize().
 Prints the median step time and tokens/s, and the candle/PyTorch time ratio when the candle
 benchmark's JSON (written by `cargo bench -p hindsight-bench --bench train_step`) exists.
 Needs `pip install torch` (the PyPI wheel; CUDA libraries are installed but unused).
@@ -38,7 +41,9 @@ class LoraLinear(nn.Module):
         self.scale = ALPHA / RANK
 
     def forward(self, x):
-        return F.linear(x, self.weight) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        # LoRA in float32 whatever the base dtype (as the candle model does).
+        delta = F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scale
+        return F.linear(x, self.weight) + delta.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -89,13 +94,13 @@ class Model(nn.Module):
     def forward(self, ids):
         t = ids.shape[1]
         inv = 1.0 / (THETA ** (torch.arange(0, HD, 2).float() / HD))
-        freqs = torch.outer(torch.arange(t).float(), inv)
+        freqs = torch.outer(torch.arange(t).float(), inv)  # on the CPU; moved below
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = emb.cos().to(ids.device, self.embed.dtype), emb.sin().to(ids.device, self.embed.dtype)
         x = self.embed[ids]
         for blk in self.blocks:
             x = blk(x, cos, sin)
-        return F.linear(self.norm(x), self.embed)
+        return F.linear(self.norm(x), self.embed).float()
 
 
 def main():
@@ -103,12 +108,25 @@ def main():
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--candle-json", default=os.path.join(
         os.path.dirname(__file__), "..", "..", "target", "hindsight-bench", "train_step_candle.json"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=BATCH)
+    ap.add_argument("--seq", type=int, default=SEQ)
     args = ap.parse_args()
     torch.manual_seed(0)
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+    model = model.to(dev)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
-    ids = torch.randint(0, V, (BATCH, SEQ + 1))
+    ids = torch.randint(0, V, (args.batch, args.seq + 1)).to(dev)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     def step():
         logits = model(ids[:, :-1])
@@ -119,20 +137,25 @@ def main():
         return loss.item()
 
     step()  # warm-up
+    sync()
     times, cpu = [], []
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.process_time()
         step()
+        sync()
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     med = statistics.median(times)
     med_cpu = statistics.median(cpu)
-    tokens = BATCH * SEQ
-    print(f"pytorch {torch.__version__} threads={torch.get_num_threads()} "
+    tokens = args.batch * args.seq
+    print(f"pytorch {torch.__version__} device={args.device} dtype={args.dtype} "
+          f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()} "
           f"trainable={sum(p.numel() for p in params)}")
     print(f"pytorch LoRA train step: {med:.3f} s median of {args.steps} "
           f"({tokens / med:.0f} tokens/s), steps {[round(t, 3) for t in times]}; "
           f"CPU time {med_cpu:.2f} s per step")
+    if (dev.type, args.dtype, args.batch, args.seq) != ("cpu", "float32", BATCH, SEQ):
+        return  # the candle JSON is the CPU f32 4 x 256 step: no like-for-like ratio
     if os.path.exists(args.candle_json):
         c = json.load(open(args.candle_json))
         ratio = c["train_step_s"] / med
