@@ -8,6 +8,7 @@
 //! # knobs (env): OBJECTIVES=none,sft,kto,dense,distill,distill-dense  EVENTS=64  EVAL_EVERY=16
 //! #   EVAL_ITEMS=20  LR=3e-3  RANK=8  BATCH=1  SEED=0  CORRECTION_RATE=0.3  NOISE_RATE=0
 //! #   CRITIQUE=rule-and-value|rule  OUT=target/bench-results/learning_curve
+//! #   PLACEMENT=system-no-answer|user-note|user-turn|system  (where the self-teacher sees the feedback)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
 //! table. Each configuration starts from the base model with fresh topics, keys and adapters.
@@ -71,6 +72,11 @@ async fn main() -> anyhow::Result<()> {
         cfg.correction_rate = env("CORRECTION_RATE", cfg.correction_rate);
         cfg.noise_rate = env("NOISE_RATE", cfg.noise_rate);
         cfg.critique_style = critique;
+        if let Ok(p) = std::env::var("PLACEMENT") {
+            cfg.placement = hindsight_eval::HindsightPlacement::from_str(&p, true)
+                .map_err(anyhow::Error::msg)
+                .context("PLACEMENT")?;
+        }
         eprintln!(
             "[learning_curve] {}: {} events, eval every {} on {} items",
             objective.as_str(),

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use hindsight_eval::{evaluate, EvalSet, RunConfig};
+use hindsight_eval::{evaluate, EvalSet, HindsightPlacement, RunConfig};
 use hindsight_feedback::{JoinerConfig, LogConfig, Secret};
 use hindsight_learner::online::{
     spawn_learner, LearnerConfig, LearnerControl, LearnerEvent, LearnerSetup, LearnerSummary,
@@ -89,6 +89,10 @@ impl Objective {
     }
 }
 
+fn default_placement() -> HindsightPlacement {
+    hindsight_learner::example::ExampleConfig::default().placement
+}
+
 /// One learning run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LearningConfig {
@@ -120,6 +124,10 @@ pub struct LearningConfig {
     pub correction_rate: f64,
     /// Share of wrong (noisy) feedback.
     pub noise_rate: f64,
+    /// Where the self-teacher's prompt carries the feedback (the learner's
+    /// `examples.placement`); older result files lack it (they used `system-no-answer`).
+    #[serde(default = "default_placement")]
+    pub placement: HindsightPlacement,
     /// Kafka brokers.
     pub brokers: String,
     /// Redis.
@@ -146,6 +154,7 @@ impl LearningConfig {
             critique_style: CritiqueStyle::RuleAndValue,
             correction_rate: 0.3,
             noise_rate: 0.0,
+            placement: default_placement(),
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into()),
@@ -386,6 +395,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         ..LearnerConfig::default()
     };
     learner_cfg.trainer.objectives = cfg.objective.weights();
+    learner_cfg.examples.placement = cfg.placement;
     learner_cfg.trainer.optimizer.lr = cfg.lr;
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
