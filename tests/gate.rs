@@ -59,6 +59,8 @@ async fn start_serve(model: &Path) -> (String, tokio::sync::oneshot::Sender<()>)
         },
         default_max_tokens: 32,
         keep_adapter_versions: 2,
+        device: Default::default(),
+        dtype: Default::default(),
     };
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     tokio::spawn(async move {

@@ -2,6 +2,7 @@
 
 mod chat;
 mod config;
+mod device;
 mod error;
 mod generate;
 mod loader;
@@ -21,6 +22,7 @@ pub mod trainer;
 
 pub use chat::{content_text, prompt_tools, tool_instructions, ChatInputError, ChatTemplate};
 pub use config::{Architecture, HfConfig, ModelConfig};
+pub use device::{DeviceSpec, WeightDType};
 pub use error::{LearnerError, Result};
 pub use generate::{
     generate, generate_greedy, generate_stream, log_softmax, sample_token,

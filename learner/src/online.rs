@@ -20,7 +20,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
 use hindsight_feedback::{
     ensure_topics, now_ms, EpisodeRecord, LogError, Positions, RawRecord, Topic, TopicReader,
     ValidatedLogConfig,
@@ -32,6 +31,7 @@ use tracing::{info, info_span, warn, Instrument};
 use uuid::Uuid;
 
 use crate::checkpoint::{CheckpointStore, LoopState};
+use crate::device::{DeviceSpec, WeightDType};
 use crate::error::LearnerError;
 use crate::example::{build_example, ExampleConfig, SkipReason, TrainExample};
 use crate::loader::ModelBundle;
@@ -49,6 +49,13 @@ pub struct LearnerConfig {
     /// Base model: a `.gguf` file or an HF directory.
     #[serde(default = "default_model_path")]
     pub model_path: PathBuf,
+    /// Where the model trains: `cpu` (default), `cuda` or `cuda:N` (needs the `cuda` build).
+    #[serde(default)]
+    pub device: DeviceSpec,
+    /// dtype of the frozen base weights: `f32` (default) or, on a GPU, `bf16`/`f16`. Adapters
+    /// and optimizer state are f32 either way.
+    #[serde(default)]
+    pub dtype: WeightDType,
     /// The base model's name at the serving endpoint (default: the file name without
     /// `.gguf`, as `hindsight serve` names it).
     #[serde(default)]
@@ -381,10 +388,12 @@ pub async fn run_learner(
     let started = Instant::now();
     let mut run_log = RunLog::open(&cfg.run_log)?;
 
-    // The model, loaded once, f32 for training (never the quantized inference copies).
+    // The model, loaded once, in the configured dtype on the configured device (never the
+    // quantized inference copies).
     let model_path = cfg.model_path.clone();
+    let (device_spec, dtype) = (cfg.device, cfg.dtype.dtype());
     let bundle = tokio::task::spawn_blocking(move || {
-        ModelBundle::load(&model_path, DType::F32, &Device::Cpu)
+        ModelBundle::load(&model_path, dtype, &device_spec.open()?)
     })
     .await
     .map_err(|e| OnlineError::Thread(e.to_string()))??;
@@ -430,7 +439,7 @@ pub async fn run_learner(
                 &entry.path,
                 cfg.adapter_name.clone(),
                 &model_cfg,
-                &Device::Cpu,
+                model.device(),
             )?;
             Trainer::with_policy(model.clone(), cfg.trainer.clone(), adapter)?
         }

@@ -12,9 +12,8 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use hindsight_learner::candle_core::{DType, Device};
 use hindsight_learner::tokenizers::Tokenizer;
-use hindsight_learner::{ChatTemplate, Model, ModelBundle};
+use hindsight_learner::{ChatTemplate, DeviceSpec, Model, ModelBundle, WeightDType};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -65,6 +64,12 @@ pub struct ServeArgs {
     /// Versions of each adapter kept loaded (for `name@version` pins), the current one included.
     #[arg(long, default_value_t = default_keep_adapter_versions())]
     pub keep_adapter_versions: usize,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N` (a build with `--features cuda`).
+    #[arg(long, env = "HINDSIGHT_DEVICE", default_value = "cpu")]
+    pub device: DeviceSpec,
+    /// dtype of the base weights: `f32`, or `bf16`/`f16` on a GPU (adapters stay f32).
+    #[arg(long, env = "HINDSIGHT_DTYPE", default_value = "f32")]
+    pub dtype: WeightDType,
 }
 
 fn default_queue_capacity() -> usize {
@@ -100,6 +105,10 @@ pub struct ServeConfig {
     pub default_max_tokens: usize,
     /// Versions kept per adapter.
     pub keep_adapter_versions: usize,
+    /// Where the model runs.
+    pub device: DeviceSpec,
+    /// dtype of the base weights.
+    pub dtype: WeightDType,
 }
 
 impl ServeArgs {
@@ -143,6 +152,8 @@ impl ServeArgs {
             },
             default_max_tokens: self.default_max_tokens.max(1),
             keep_adapter_versions: self.keep_adapter_versions.max(1),
+            device: self.device,
+            dtype: self.dtype,
         })
     }
 }
@@ -231,7 +242,8 @@ impl ServeState {
 
     /// Loads the model from `config.model` (blocking) and builds the state.
     pub fn load(config: &ServeConfig) -> Result<Self, ServeError> {
-        let bundle = ModelBundle::load(&config.model, DType::F32, &Device::Cpu)?;
+        let device = config.device.open()?;
+        let bundle = ModelBundle::load(&config.model, config.dtype.dtype(), &device)?;
         Self::new(bundle, config)
     }
 

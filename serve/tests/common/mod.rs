@@ -111,6 +111,8 @@ pub fn tiny_config_for(engine: EngineConfig) -> ServeConfig {
         engine,
         default_max_tokens: 32,
         keep_adapter_versions: 2,
+        device: Default::default(),
+        dtype: Default::default(),
     }
 }
 
