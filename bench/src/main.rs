@@ -233,7 +233,13 @@ fn write_or_print(out: Option<&PathBuf>, text: &str) -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        // Without RUST_LOG: our progress lines (each baseline as it is measured, traffic
+        // summaries) and warnings, so a long run read from a log file is not silent.
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,hindsight_bench=info")
+            }),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
