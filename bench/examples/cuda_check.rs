@@ -198,6 +198,9 @@ fn smollm2_135m() -> ModelConfig {
     }
 }
 
+/// The loss, the detached logits and every LoRA gradient by PEFT key (sorted).
+type LossGrads = (Tensor, Tensor, Vec<(String, Tensor)>);
+
 /// Masked mean cross-entropy of next-token prediction over a right-padded batch, LoRA
 /// gradients, on `model`'s device.
 fn loss_and_grads(
@@ -207,7 +210,7 @@ fn loss_and_grads(
     layout: &BatchLayout,
     targets: &Tensor,
     weights: &Tensor,
-) -> Result<(Tensor, Tensor, Vec<(String, Tensor)>)> {
+) -> Result<LossGrads> {
     let dev = model.device();
     let (b, t) = ids.dims2()?;
     let ids = ids.to_device(dev)?;

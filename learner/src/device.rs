@@ -178,7 +178,10 @@ mod tests {
             dtype: WeightDType,
         }
         let c: C = serde_json::from_str(r#"{"device":"cuda:1","dtype":"bf16"}"#).unwrap();
-        assert_eq!((c.device, c.dtype), (DeviceSpec::Cuda(1), WeightDType::Bf16));
+        assert_eq!(
+            (c.device, c.dtype),
+            (DeviceSpec::Cuda(1), WeightDType::Bf16)
+        );
         assert_eq!(
             serde_json::to_string(&c).unwrap(),
             r#"{"device":"cuda:1","dtype":"bf16"}"#
