@@ -41,16 +41,16 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
+/// `t` as a flat f64 vector on the host, for comparisons.
+fn host_f64(t: &Tensor) -> Result<Tensor> {
+    Ok(t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F64)?
+        .flatten_all()?)
+}
+
 /// Relative max error: max |a - b| / max |b| (b is the CPU reference).
 fn rel_max(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .flatten_all()?;
-    let b = b
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .flatten_all()?;
+    let (a, b) = (host_f64(a)?, host_f64(b)?);
     let diff = (&a - &b)?.abs()?.max(0)?.to_scalar::<f64>()?;
     let scale = b.abs()?.max(0)?.to_scalar::<f64>()?.max(1e-30);
     Ok(diff / scale)
@@ -58,14 +58,7 @@ fn rel_max(a: &Tensor, b: &Tensor) -> Result<f64> {
 
 /// Cosine similarity of two tensors (as flat vectors).
 fn cosine(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let a = a
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .flatten_all()?;
-    let b = b
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F64)?
-        .flatten_all()?;
+    let (a, b) = (host_f64(a)?, host_f64(b)?);
     let dot = (&a * &b)?.sum_all()?.to_scalar::<f64>()?;
     let na = a.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
     let nb = b.sqr()?.sum_all()?.to_scalar::<f64>()?.sqrt();
@@ -655,10 +648,8 @@ fn main() -> Result<()> {
     for ((_, c), ((_, g), (_, b))) in g_cpu.iter().zip(g_gpu.iter().zip(&g_bf)) {
         worst = worst.max(rel_max(g, c)?);
         worst_cos_bf = worst_cos_bf.min(cosine(b, c)?);
-        let (b64, c64) = (b.to_dtype(DType::F64)?, c.to_dtype(DType::F64)?);
-        dot += (&b64.to_device(&Device::Cpu)? * &c64)?
-            .sum_all()?
-            .to_scalar::<f64>()?;
+        let (b64, c64) = (host_f64(b)?, host_f64(c)?);
+        dot += (&b64 * &c64)?.sum_all()?.to_scalar::<f64>()?;
         nb += b64.sqr()?.sum_all()?.to_scalar::<f64>()?;
         nc += c64.sqr()?.sum_all()?.to_scalar::<f64>()?;
     }
