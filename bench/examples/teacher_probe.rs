@@ -3,7 +3,7 @@
 //! student's, so this probe measures exactly that on the simulated environment.
 //!
 //! For `N` training tickets, the logged answer is the base model's typical answer (the correct
-//! department, `"priority": "low"`, `"refund": false`, `"refund_amount": 0`, which is what the
+//! department, `"priority": "low"`, `"refund": "none"`, which is what the
 //! default model answers almost every ticket with); the simulated user's critique of it names
 //! the broken rules. At the position of each **wrong** field value, it compares the student
 //! (original prompt) with the teacher (prompt plus the critique, for each placement): the
@@ -77,8 +77,7 @@ fn main() -> anyhow::Result<()> {
         let logged = json!({
             "department": d.department,
             "priority": "low",
-            "refund": false,
-            "refund_amount": 0,
+            "refund": "none",
         });
         let map = logged.as_object().context("object")?;
         let broken = res.broken_rules(Some(map));
@@ -95,7 +94,7 @@ fn main() -> anyhow::Result<()> {
         }
         // The wrong fields: priority and refund (department is logged correct).
         let expected = d.to_json();
-        for (field, wrong) in [("priority", json!("low")), ("refund", json!(false))] {
+        for (field, wrong) in [("priority", json!("low")), ("refund", json!("none"))] {
             if expected[field] == wrong {
                 continue;
             }

@@ -32,15 +32,10 @@ fn unique(what: &str) -> String {
     format!("test-{what}-{}", uuid::Uuid::now_v7().simple())
 }
 
-/// An agent that reads the order record and always routes to returns with a full refund:
-/// right on some tickets, wrong (hidden rules) on most — both kinds of feedback occur.
-async fn agent(_headers: HeaderMap, Json(body): Json<Value>) -> Response {
-    let user = body["messages"][1]["content"].as_str().unwrap_or_default();
-    let start = user.find("Order record: ").map(|i| i + 14).unwrap_or(0);
-    let order: Value =
-        serde_json::from_str(user[start..].lines().next().unwrap_or("")).unwrap_or(Value::Null);
-    let decision = json!({"department": "returns", "priority": "normal", "refund": true,
-        "refund_amount": order["total"].as_f64().unwrap_or(0.0)});
+/// An agent that always routes to returns with a full refund at normal priority: right on
+/// some tickets, wrong (hidden rules) on most — both kinds of feedback occur.
+async fn agent(_headers: HeaderMap, Json(_body): Json<Value>) -> Response {
+    let decision = json!({"department": "returns", "priority": "normal", "refund": "full"});
     Json(json!({
         "id": "chatcmpl-e2e", "object": "chat.completion", "created": 1_700_000_000, "model": "mock-agent",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": decision.to_string()}, "finish_reason": "stop"}],

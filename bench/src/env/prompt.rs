@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::sop::{rules_text, DEPARTMENTS, PRIORITIES};
+use super::sop::{rules_text, DEPARTMENTS, PRIORITIES, REFUNDS};
 use super::world::Ticket;
 
 /// How the ticket reaches the agent.
@@ -52,10 +52,9 @@ pub fn response_format() -> Value {
                 "properties": {
                     "department": {"type": "string", "enum": DEPARTMENTS},
                     "priority": {"type": "string", "enum": PRIORITIES},
-                    "refund": {"type": "boolean"},
-                    "refund_amount": {"type": "number"}
+                    "refund": {"type": "string", "enum": REFUNDS}
                 },
-                "required": ["department", "priority", "refund", "refund_amount"],
+                "required": ["department", "priority", "refund"],
                 "additionalProperties": false
             }
         }
@@ -97,11 +96,10 @@ pub fn system_prompt(options: PromptOptions) -> String {
     let mut s = String::from(
         "You are the customer support agent of Northwind Outfitters, an online shop. \
 Read the customer's ticket and decide how to resolve it.\n\
-Decide four fields:\n\
+Decide three fields:\n\
 - department: one of billing, shipping, returns, technical, retention\n\
 - priority: one of low, normal, high, urgent\n\
-- refund: true or false\n\
-- refund_amount: the amount to refund in USD (0 when there is no refund)\n",
+- refund: full (the order total), partial (the total minus the restocking fee) or none\n",
     );
     if options.variant == Variant::Multi {
         s.push_str(
@@ -114,10 +112,10 @@ Decide four fields:\n\
         s.push('\n');
     }
     if options.response_format {
-        s.push_str("Reply with the decision as a JSON object with exactly these four fields.");
+        s.push_str("Reply with the decision as a JSON object with exactly these three fields.");
     } else {
         s.push_str(
-            "End your reply with the decision as a JSON object with exactly these four fields inside <final_output></final_output> tags.",
+            "End your reply with the decision as a JSON object with exactly these three fields inside <final_output></final_output> tags.",
         );
     }
     s

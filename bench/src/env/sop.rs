@@ -11,13 +11,13 @@ use super::world::{IssueKind, Ticket, Tier};
 pub const RETENTION_AFTER_DAYS: u32 = 30;
 /// Orders at or above this total (cents) are high priority.
 pub const HIGH_VALUE_CENTS: u64 = 50_000;
-/// Change-of-mind returns are refunded minus this percentage.
-pub const RESTOCKING_FEE_PERCENT: u64 = 15;
 
 /// The teams a ticket can go to.
 pub const DEPARTMENTS: [&str; 5] = ["billing", "shipping", "returns", "technical", "retention"];
 /// The priorities.
 pub const PRIORITIES: [&str; 4] = ["low", "normal", "high", "urgent"];
+/// The refund decisions: the order total back, the total minus the restocking fee, nothing.
+pub const REFUNDS: [&str; 3] = ["full", "partial", "none"];
 
 /// One rule of the SOP. Each decided field is decided by exactly one rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -81,7 +81,7 @@ impl Rule {
         )
     }
 
-    /// The decision field this rule decides (`refund` covers `refund_amount` too).
+    /// The decision field this rule decides.
     pub fn field(self) -> &'static str {
         match self {
             Rule::BillingErrorsToBilling | Rule::OldOrdersToRetention | Rule::DepartmentByIssue => {
@@ -107,12 +107,12 @@ impl Rule {
             Rule::BillingErrorsToBilling => "Duplicate charges always go to billing, whatever the order's age.",
             Rule::OldOrdersToRetention => "Any other order placed more than 30 days ago goes to the retention team.",
             Rule::DepartmentByIssue => "Otherwise: damaged, wrong or change-of-mind returns go to returns; orders that never arrived go to shipping; products that stopped working go to technical.",
-            Rule::DuplicateChargeRefunded => "A duplicate charge is refunded in full (the order total), even for final-sale items or old orders.",
+            Rule::DuplicateChargeRefunded => "A duplicate charge gets a full refund (the order total), even for final-sale items or old orders.",
             Rule::FinalSaleNoRefund => "Otherwise, final-sale items are never refunded.",
             Rule::OldOrdersNoRefund => "Otherwise, orders older than 30 days are not refunded (retention offers store credit instead).",
             Rule::TroubleshootFirst => "Otherwise, products that stopped working are troubleshot first: no refund.",
-            Rule::FullRefund => "Otherwise, damaged, wrong or undelivered orders are refunded in full (the order total).",
-            Rule::RestockingFee => "Otherwise, change-of-mind returns are refunded minus a 15% restocking fee (refund 85% of the total, rounded to the cent).",
+            Rule::FullRefund => "Otherwise, damaged, wrong or undelivered orders get a full refund (the order total).",
+            Rule::RestockingFee => "Otherwise, change-of-mind returns get a partial refund: the total minus a 15% restocking fee.",
             Rule::EscalationUrgent => "A ticket that threatens a chargeback, a bank or card dispute, or legal action is urgent.",
             Rule::GoldHigh => "Otherwise, gold-tier customers get high priority.",
             Rule::HighValueHigh => "Otherwise, orders totalling $500 or more get high priority.",
@@ -129,10 +129,8 @@ pub struct Decision {
     pub department: String,
     /// One of [`PRIORITIES`].
     pub priority: String,
-    /// Whether money goes back.
-    pub refund: bool,
-    /// USD, 0 when no refund.
-    pub refund_amount: f64,
+    /// One of [`REFUNDS`]: `full`, `partial` (minus the restocking fee) or `none`.
+    pub refund: String,
 }
 
 impl Decision {
@@ -142,7 +140,6 @@ impl Decision {
             "department": self.department,
             "priority": self.priority,
             "refund": self.refund,
-            "refund_amount": self.refund_amount,
         })
     }
 }
@@ -156,7 +153,7 @@ pub struct Resolution {
     pub department_rule: Rule,
     /// Rule that set `priority`.
     pub priority_rule: Rule,
-    /// Rule that set `refund` and `refund_amount`.
+    /// Rule that set `refund`.
     pub refund_rule: Rule,
 }
 
@@ -166,16 +163,16 @@ impl Resolution {
         match field {
             "department" => Some(self.department_rule),
             "priority" => Some(self.priority_rule),
-            "refund" | "refund_amount" => Some(self.refund_rule),
+            "refund" => Some(self.refund_rule),
             _ => None,
         }
     }
 
     /// Rules (deduplicated, SOP order) whose field the answer got wrong; all rules behind the
-    /// four fields when the answer is not a JSON object.
+    /// three fields when the answer is not a JSON object.
     pub fn broken_rules(&self, answer: Option<&serde_json::Map<String, Value>>) -> Vec<Rule> {
         let expected = self.decision.to_json();
-        let mut broken: Vec<Rule> = ["department", "priority", "refund", "refund_amount"]
+        let mut broken: Vec<Rule> = ["department", "priority", "refund"]
             .iter()
             .filter(|f| match answer {
                 Some(a) => !a
@@ -211,22 +208,18 @@ pub fn resolve(ticket: &Ticket) -> Resolution {
         (d, Rule::DepartmentByIssue)
     };
 
-    let (refund_cents, refund_rule) = if ticket.issue == IssueKind::DoubleCharge {
-        (total_cents, Rule::DuplicateChargeRefunded)
+    let (refund, refund_rule) = if ticket.issue == IssueKind::DoubleCharge {
+        ("full", Rule::DuplicateChargeRefunded)
     } else if order.final_sale {
-        (0, Rule::FinalSaleNoRefund)
+        ("none", Rule::FinalSaleNoRefund)
     } else if old {
-        (0, Rule::OldOrdersNoRefund)
+        ("none", Rule::OldOrdersNoRefund)
     } else if ticket.issue == IssueKind::NotWorking {
-        (0, Rule::TroubleshootFirst)
+        ("none", Rule::TroubleshootFirst)
     } else if ticket.issue == IssueKind::ChangedMind {
-        // 85% rounded half-up to the cent, in integers.
-        (
-            (total_cents * (100 - RESTOCKING_FEE_PERCENT) + 50) / 100,
-            Rule::RestockingFee,
-        )
+        ("partial", Rule::RestockingFee)
     } else {
-        (total_cents, Rule::FullRefund)
+        ("full", Rule::FullRefund)
     };
 
     let (priority, priority_rule) = if ticket.escalation {
@@ -245,8 +238,7 @@ pub fn resolve(ticket: &Ticket) -> Resolution {
         decision: Decision {
             department: department.to_string(),
             priority: priority.to_string(),
-            refund: refund_cents > 0,
-            refund_amount: refund_cents as f64 / 100.0,
+            refund: refund.to_string(),
         },
         department_rule,
         priority_rule,
@@ -295,19 +287,19 @@ mod tests {
     }
 
     #[test]
-    fn restocking_fee_and_amounts_are_exact_cents() {
+    fn refund_values_follow_their_rules() {
         let w = World::new(5);
         for t in w.tickets(Split::Train, 300) {
             let r = resolve(&t);
-            let cents = (r.decision.refund_amount * 100.0).round();
-            assert!((r.decision.refund_amount * 100.0 - cents).abs() < 1e-6);
-            if r.refund_rule == Rule::RestockingFee {
-                let expect = (t.order.total_cents() as f64 * 0.85 / 100.0 * 100.0).round() / 100.0;
-                assert!((r.decision.refund_amount - expect).abs() < 0.011);
-                assert!(r.decision.refund);
-            }
-            if !r.decision.refund {
-                assert_eq!(r.decision.refund_amount, 0.0);
+            assert!(REFUNDS.contains(&r.decision.refund.as_str()));
+            let expected = match r.refund_rule {
+                Rule::RestockingFee => "partial",
+                Rule::DuplicateChargeRefunded | Rule::FullRefund => "full",
+                _ => "none",
+            };
+            assert_eq!(r.decision.refund, expected, "{:?}", r.refund_rule);
+            if t.order.final_sale && r.refund_rule != Rule::DuplicateChargeRefunded {
+                assert_eq!(r.decision.refund, "none");
             }
         }
     }

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::rng::Rng;
-use super::sop::{Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES};
+use super::sop::{Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES, REFUNDS};
 use super::world::Ticket;
 
 /// How explicit a critique is.
@@ -204,8 +204,8 @@ pub fn critique(
     if unparseable {
         parts.push(
             rng.pick_str(&[
-                "I couldn't read a decision in that reply - I need the JSON with department, priority, refund and refund_amount.",
-                "That reply had no usable decision; give me the four-field JSON decision.",
+                "I couldn't read a decision in that reply - I need the JSON with department, priority and refund.",
+                "That reply had no usable decision; give me the three-field JSON decision.",
             ])
             .to_string(),
         );
@@ -312,19 +312,17 @@ pub fn value_phrase(rng: &mut Rng, rule: Rule, resolution: &Resolution) -> Strin
             ];
             rng.pick(&options).cloned().unwrap_or_default()
         }
-        _ if d.refund => {
-            let options = [
-                format!("So refund: yes, ${:.2}.", d.refund_amount),
-                format!("The refund amount should be {:.2}.", d.refund_amount),
-            ];
-            rng.pick(&options).cloned().unwrap_or_default()
-        }
-        _ => rng
-            .pick_str(&[
-                "So: no refund, amount 0.",
-                "Refund should be false and the amount 0.",
-            ])
-            .to_string(),
+        _ => match d.refund.as_str() {
+            "full" => rng
+                .pick_str(&["So the refund is full.", "That means a full refund."])
+                .to_string(),
+            "partial" => rng
+                .pick_str(&["So the refund is partial.", "That means a partial refund."])
+                .to_string(),
+            _ => rng
+                .pick_str(&["So the refund is none.", "That means no refund."])
+                .to_string(),
+        },
     }
 }
 
@@ -334,9 +332,12 @@ fn perturbed(rng: &mut Rng, resolution: &Resolution) -> Value {
         0 => v["department"] = Value::String(rng.pick_str(&DEPARTMENTS).to_string()),
         1 => v["priority"] = Value::String(rng.pick_str(&PRIORITIES).to_string()),
         _ => {
-            let refund = !resolution.decision.refund;
-            v["refund"] = Value::Bool(refund);
-            v["refund_amount"] = serde_json::json!(if refund { 10.0 } else { 0.0 });
+            let others: Vec<&str> = REFUNDS
+                .iter()
+                .copied()
+                .filter(|r| *r != resolution.decision.refund)
+                .collect();
+            v["refund"] = Value::String(rng.pick(&others).copied().unwrap_or("none").to_string());
         }
     }
     v
@@ -399,7 +400,7 @@ mod tests {
                 .unwrap();
             assert!(text.contains(&r.decision.department), "{text}");
             assert!(
-                !text.contains("priority should") && !text.contains("refund amount should"),
+                !text.contains("priority should") && !text.contains("the refund is"),
                 "{text}"
             );
         }
