@@ -93,6 +93,11 @@ fn default_placement() -> HindsightPlacement {
     hindsight_learner::example::ExampleConfig::default().placement
 }
 
+/// What result files written before the field existed used.
+fn legacy_placement() -> HindsightPlacement {
+    HindsightPlacement::SystemNoAnswer
+}
+
 /// One learning run.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LearningConfig {
@@ -126,7 +131,7 @@ pub struct LearningConfig {
     pub noise_rate: f64,
     /// Where the self-teacher's prompt carries the feedback (the learner's
     /// `examples.placement`); older result files lack it (they used `system-no-answer`).
-    #[serde(default = "default_placement")]
+    #[serde(default = "legacy_placement")]
     pub placement: HindsightPlacement,
     /// Kafka brokers.
     pub brokers: String,

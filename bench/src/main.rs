@@ -131,7 +131,7 @@ struct RunArgs {
     #[arg(long, default_value_t = 0.3)]
     correction_rate: f64,
     /// How explicit the simulated user's critiques are.
-    #[arg(long, value_enum, default_value = "rule")]
+    #[arg(long, value_enum, default_value = "rule-and-value")]
     critique_style: CritiqueStyle,
     /// Episode id prefix (default: bench-<ms>).
     #[arg(long)]
@@ -173,7 +173,7 @@ struct BaselineArgs {
     #[command(flatten)]
     prompt: PromptArgs,
     /// How explicit the critiques in (c) are.
-    #[arg(long, value_enum, default_value = "rule")]
+    #[arg(long, value_enum, default_value = "rule-and-value")]
     critique_style: CritiqueStyle,
     /// Reuse runs (a) and (b) from an earlier `--out` report (same seed, tickets, samples).
     #[arg(long)]

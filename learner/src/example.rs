@@ -18,7 +18,8 @@ use crate::tokenizer::encode;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExampleConfig {
-    /// Where the teacher sees the feedback (`system-no-answer` did best on the default model).
+    /// Where the teacher sees the feedback. `user-note` (the critique appended to the user's
+    /// message) is the placement under which the default model does best in hindsight.
     #[serde(default = "default_placement")]
     pub placement: HindsightPlacement,
     /// Longest context (tokens) trained on; longer ones are skipped and counted.
@@ -33,7 +34,7 @@ pub struct ExampleConfig {
 }
 
 fn default_placement() -> HindsightPlacement {
-    HindsightPlacement::SystemNoAnswer
+    HindsightPlacement::UserNote
 }
 fn default_max_context_tokens() -> usize {
     1536

@@ -16,10 +16,12 @@ use super::world::Ticket;
 #[value(rename_all = "kebab-case")]
 pub enum CritiqueStyle {
     /// Names the broken rule only ("gold members always get high priority").
-    #[default]
     Rule,
     /// Names the broken rule and the value it implies for that field ("… so priority should
     /// be high"); still never the whole answer (fields that were right are not mentioned).
+    /// The default: it is how a supervisor writes a critique, and what the default model can
+    /// act on in hindsight.
+    #[default]
     RuleAndValue,
 }
 
@@ -57,7 +59,7 @@ impl Default for UserConfig {
             noise_rate: default_noise_rate(),
             correction_rate: default_correction_rate(),
             thanks_rate: default_thanks_rate(),
-            critique_style: CritiqueStyle::Rule,
+            critique_style: CritiqueStyle::default(),
         }
     }
 }
