@@ -8,7 +8,9 @@
 //! # knobs (env): OBJECTIVES=none,sft,kto,dense,distill,distill-dense  EVENTS=64  EVAL_EVERY=16
 //! #   EVAL_ITEMS=20  LR=3e-3  RANK=8  BATCH=1  SEED=0  CORRECTION_RATE=0.3  NOISE_RATE=0
 //! #   CRITIQUE=rule-and-value|rule  OUT=target/bench-results/learning_curve
-//! #   PLACEMENT=system-no-answer|user-note|user-turn|system  (where the self-teacher sees the feedback)
+//! #   PLACEMENT=user-note|system-no-answer|user-turn|system  (where the self-teacher sees the feedback)
+//! #   REPLAY=0  (replay steps on earlier examples after each new micro-batch)
+//! #   KL_BUDGET=<nats per position>  (default: the learner's)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
 //! table. Each configuration starts from the base model with fresh topics, keys and adapters.
@@ -72,21 +74,25 @@ async fn main() -> anyhow::Result<()> {
         cfg.correction_rate = env("CORRECTION_RATE", cfg.correction_rate);
         cfg.noise_rate = env("NOISE_RATE", cfg.noise_rate);
         cfg.critique_style = critique;
+        cfg.replay_steps_per_batch = env("REPLAY", cfg.replay_steps_per_batch);
+        cfg.kl_budget = std::env::var("KL_BUDGET").ok().and_then(|v| v.parse().ok());
         if let Ok(p) = std::env::var("PLACEMENT") {
             cfg.placement = hindsight_eval::HindsightPlacement::from_str(&p, true)
                 .map_err(anyhow::Error::msg)
                 .context("PLACEMENT")?;
         }
         eprintln!(
-            "[learning_curve] {}: {} events, eval every {} on {} items",
+            "[learning_curve] {}: {} events, eval every {} on {} items, replay {}, teacher {}",
             objective.as_str(),
             cfg.events,
             cfg.eval_every,
-            cfg.eval_items
+            cfg.eval_items,
+            cfg.replay_steps_per_batch,
+            cfg.placement.as_str()
         );
         let report = run_learning(cfg).await?;
         eprintln!(
-            "[learning_curve] {}: exact match {} (gain {:+.1} points) in {:.0} s, trainer {:.0} tokens/s",
+            "[learning_curve] {}: exact match {} (gain {:+.1} points), field accuracy {}, in {:.0} s, trainer {:.0} tokens/s",
             objective.as_str(),
             report
                 .points
@@ -95,6 +101,15 @@ async fn main() -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
                 .join(" → "),
             report.gain() * 100.0,
+            report
+                .points
+                .iter()
+                .map(|p| {
+                    p.field_accuracy
+                        .map_or_else(|| "-".to_string(), |f| format!("{:.0}%", f * 100.0))
+                })
+                .collect::<Vec<_>>()
+                .join(" → "),
             report.wall_s,
             report.train_tokens_per_s
         );

@@ -133,6 +133,12 @@ pub struct LearningConfig {
     /// `examples.placement`); older result files lack it (they used `system-no-answer`).
     #[serde(default = "legacy_placement")]
     pub placement: HindsightPlacement,
+    /// Replay steps after each new micro-batch (the learner's `replay_steps_per_batch`).
+    #[serde(default)]
+    pub replay_steps_per_batch: usize,
+    /// The trainer's KL-to-base budget (nats per logged position); `None`: the learner's default.
+    #[serde(default)]
+    pub kl_budget: Option<f64>,
     /// Kafka brokers.
     pub brokers: String,
     /// Redis.
@@ -160,6 +166,8 @@ impl LearningConfig {
             correction_rate: 0.3,
             noise_rate: 0.0,
             placement: default_placement(),
+            replay_steps_per_batch: 0,
+            kl_budget: None,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into()),
@@ -202,6 +210,9 @@ pub struct LearningReport {
     pub train_tokens: u64,
     /// Trainer throughput, tokens per second of step time.
     pub train_tokens_per_s: f64,
+    /// Replay steps taken besides the steps on new examples.
+    #[serde(default)]
+    pub replay_steps: u64,
     /// The learner's totals.
     pub learner: Option<serde_json::Value>,
 }
@@ -332,6 +343,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             train_s: 0.0,
             train_tokens: 0,
             train_tokens_per_s: 0.0,
+            replay_steps: 0,
             learner: None,
         });
     }
@@ -401,6 +413,10 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     };
     learner_cfg.trainer.objectives = cfg.objective.weights();
     learner_cfg.examples.placement = cfg.placement;
+    learner_cfg.replay_steps_per_batch = cfg.replay_steps_per_batch;
+    if let Some(budget) = cfg.kl_budget {
+        learner_cfg.trainer.kl_budget = budget;
+    }
     learner_cfg.trainer.optimizer.lr = cfg.lr;
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
@@ -428,6 +444,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     let mut traffic = Vec::new();
     let (mut seen_records, mut examples) = (0u64, 0u64);
     let (mut train_ms, mut train_tokens) = (0u64, 0u64);
+    let mut replay_steps = 0u64;
     let mut live: Option<u64> = None;
     let mut sent = 0u64;
     while sent < cfg.events {
@@ -489,6 +506,11 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
                     train_ms += r.duration_ms;
                     train_tokens += r.tokens as u64;
                 }
+                Ok(Some(LearnerEvent::Replay(r))) => {
+                    replay_steps += 1;
+                    train_ms += r.duration_ms;
+                    train_tokens += r.tokens as u64;
+                }
                 Ok(Some(LearnerEvent::Skipped(_))) => seen_records += 1,
                 Ok(Some(LearnerEvent::Candidate(_))) => {}
                 Ok(None) => bail!("the learner stopped: {:?}", learner.join()),
@@ -503,6 +525,11 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
                 Some(LearnerEvent::Candidate(c)) => break c.version,
                 Some(LearnerEvent::Step(r)) => {
                     examples += r.examples as u64;
+                    train_ms += r.duration_ms;
+                    train_tokens += r.tokens as u64;
+                }
+                Some(LearnerEvent::Replay(r)) => {
+                    replay_steps += 1;
                     train_ms += r.duration_ms;
                     train_tokens += r.tokens as u64;
                 }
@@ -554,6 +581,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         } else {
             0.0
         },
+        replay_steps,
         learner: summary.and_then(|s| serde_json::to_value(s).ok()),
     })
 }

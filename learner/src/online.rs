@@ -13,7 +13,7 @@
 //! process at any instant therefore neither loses nor repeats an example; the crash test kills
 //! it with SIGKILL and checks the trained record ids.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -104,6 +104,18 @@ pub struct LearnerConfig {
     /// Data from an adapter more than this many versions behind live is dropped.
     #[serde(default = "default_max_staleness_versions")]
     pub max_staleness_versions: u64,
+    /// Extra optimizer steps after each new micro-batch, each on a micro-batch drawn from the
+    /// replay buffer of earlier trained examples (0 = every example is trained once).
+    /// Production feedback is scarce and each event yields one example, so a few passes over
+    /// recent ones are how a handful of critiques becomes a rule. Replayed examples keep their
+    /// logged behaviour log-probs (the importance ratio is clipped) and are re-taught by the
+    /// current EMA teacher.
+    #[serde(default)]
+    pub replay_steps_per_batch: usize,
+    /// Most recent trained examples kept for replay. In memory only: a restarted learner
+    /// starts with an empty buffer (exactly-once applies to new records; replay is extra).
+    #[serde(default = "default_replay_buffer_examples")]
+    pub replay_buffer_examples: usize,
     /// Stop after this many trained examples (benchmarks and tests; none = run until stopped).
     #[serde(default)]
     pub max_examples: Option<u64>,
@@ -172,6 +184,9 @@ fn default_candidate_every_ms() -> u64 {
 fn default_max_staleness_versions() -> u64 {
     3
 }
+fn default_replay_buffer_examples() -> usize {
+    256
+}
 
 impl Default for LearnerConfig {
     fn default() -> Self {
@@ -201,6 +216,9 @@ impl LearnerConfig {
         }
         if self.checkpoint_every_batches == 0 {
             return bad("checkpoint_every_batches must be >= 1");
+        }
+        if self.replay_steps_per_batch > 0 && self.replay_buffer_examples == 0 {
+            return bad("replay_buffer_examples must be >= 1 when replay_steps_per_batch > 0");
         }
         self.trainer.check()?;
         Ok(())
@@ -280,8 +298,10 @@ pub struct CandidateReport {
 /// What the learner reports while it runs (for benchmarks and `hindsight up`).
 #[derive(Debug, Clone)]
 pub enum LearnerEvent {
-    /// A micro-batch was processed.
+    /// A micro-batch of new examples was processed.
     Step(Box<StepReport>),
+    /// A replay step on earlier examples was processed (`replay_steps_per_batch`).
+    Replay(Box<StepReport>),
     /// A candidate was registered (and published when configured).
     Candidate(CandidateReport),
     /// A record was skipped.
@@ -518,6 +538,8 @@ pub async fn run_learner(
     let wait = Duration::from_millis(cfg.max_batch_wait_ms);
     let mut batches_since_ckpt = 0u64;
     let mut trainer_slot = Some(trainer);
+    // Recently trained examples for replay steps (oldest first).
+    let mut replay: VecDeque<TrainExample> = VecDeque::new();
     let mut last_rate = Instant::now();
     let (mut rate_examples, mut rate_tokens) = (0u64, 0u64);
 
@@ -663,6 +685,48 @@ pub async fn run_learner(
                 "report": report,
             }))?;
             emit(LearnerEvent::Step(Box::new(report)));
+
+            // Replay: extra steps on earlier examples (never the batch just trained).
+            for j in 0..cfg.replay_steps_per_batch {
+                if replay.is_empty() {
+                    break;
+                }
+                let key = mix(state.batches) ^ mix(j as u64 + 1);
+                let picked: Vec<TrainExample> =
+                    replay_indices(replay.len(), cfg.max_batch_examples, key)
+                        .into_iter()
+                        .filter_map(|i| replay.get(i).cloned())
+                        .collect();
+                let ids: Vec<Uuid> = picked.iter().map(|e| e.record_id).collect();
+                let mut tr = trainer_slot
+                    .take()
+                    .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
+                let (tr, result) = tokio::task::spawn_blocking(move || {
+                    let r = tr.step(&picked);
+                    (tr, r)
+                })
+                .instrument(info_span!("learner_replay", batch = state.batches, step = j))
+                .await
+                .map_err(|e| OnlineError::Thread(e.to_string()))?;
+                trainer_slot = Some(tr);
+                let report = result?;
+                metrics::counter!("hindsight_learner_replay_steps_total").increment(1);
+                run_log.write(json!({
+                    "event": "replay",
+                    "batch": state.batches,
+                    "record_ids": ids,
+                    "report": report,
+                }))?;
+                emit(LearnerEvent::Replay(Box::new(report)));
+            }
+            if cfg.replay_steps_per_batch > 0 {
+                for ex in b {
+                    if replay.len() >= cfg.replay_buffer_examples {
+                        replay.pop_front();
+                    }
+                    replay.push_back(ex);
+                }
+            }
         }
         state.records += records_in_batch;
         let moved = pending != state.positions;
@@ -787,6 +851,26 @@ pub fn spawn_learner(
                 control,
             ))
         })
+}
+
+/// SplitMix64: the replay sampler's deterministic hash of (batch, step, slot).
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Up to `n` distinct indices into a buffer of `len`, drawn deterministically from `key`.
+fn replay_indices(len: usize, n: usize, key: u64) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..len).collect();
+    let n = n.min(len);
+    for i in 0..n {
+        let j = i + (mix(key ^ (i as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)) as usize) % (len - i);
+        idx.swap(i, j);
+    }
+    idx.truncate(n);
+    idx
 }
 
 fn skip_reason(label: &str) -> Option<SkipReason> {
@@ -1017,6 +1101,34 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().is_err());
+        let no_buffer = LearnerConfig {
+            replay_steps_per_batch: 2,
+            replay_buffer_examples: 0,
+            ..Default::default()
+        };
+        assert!(no_buffer.validate().is_err());
+    }
+
+    #[test]
+    fn replay_draws_distinct_indices_deterministically_and_covers_the_buffer() {
+        for len in [1usize, 2, 5, 40] {
+            for n in [1usize, 3, 8] {
+                let a = replay_indices(len, n, 42);
+                assert_eq!(a, replay_indices(len, n, 42));
+                assert_eq!(a.len(), n.min(len));
+                let mut sorted = a.clone();
+                sorted.sort_unstable();
+                sorted.dedup();
+                assert_eq!(sorted.len(), a.len(), "duplicates in {a:?}");
+                assert!(a.iter().all(|&i| i < len));
+            }
+        }
+        // Over many keys every slot of the buffer gets drawn, roughly evenly.
+        let mut hits = [0usize; 10];
+        for key in 0..2000u64 {
+            hits[replay_indices(10, 1, mix(key))[0]] += 1;
+        }
+        assert!(hits.iter().all(|&h| (120..=280).contains(&h)), "{hits:?}");
     }
 
     /// The documented example parses, and its `[learner]` values are the defaults it claims.
