@@ -148,6 +148,14 @@ pub struct LearningConfig {
 }
 
 impl LearningConfig {
+    /// The curve's name in plots: the objective, and the replay steps when there are any.
+    pub fn label(&self) -> String {
+        match self.replay_steps_per_batch {
+            0 => self.objective.as_str().to_string(),
+            n => format!("{} + replay {n}", self.objective.as_str()),
+        }
+    }
+
     /// Defaults for the local services and the default model.
     pub fn new(objective: Objective, work_dir: impl Into<PathBuf>) -> Self {
         Self {
@@ -586,9 +594,10 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     })
 }
 
-/// Draws the curves (exact match vs feedback events) into a PNG. Text needs a TrueType font:
-/// DejaVu Sans from the system is used when present, otherwise the plot is drawn without text
-/// (the JSON next to it carries the numbers).
+/// Draws the curves into a PNG with two panels side by side: eval exact match (the issue's
+/// figure) and per-field accuracy (which moves long before whole decisions do), both against
+/// feedback events. Text needs a TrueType font: DejaVu Sans from the system is used when
+/// present, otherwise the plot is drawn without text (the JSON next to it carries the numbers).
 pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Result<()> {
     use plotters::prelude::*;
     let font = [
@@ -604,62 +613,75 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
         }
         None => false,
     };
+    let root = BitMapBackend::new(path, (1400, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let root = if with_text {
+        root.titled(title, ("sans-serif", 22))?
+    } else {
+        root
+    };
+    let (left, right) = root.split_horizontally(700);
+    // Older result files have no field accuracy; their points are left out of that panel.
+    type Metric = fn(&CurvePoint) -> Option<f64>;
+    let panels: [(&_, &str, Metric); 2] = [
+        (&left, "eval exact match", |p| Some(p.exact_match)),
+        (&right, "eval field accuracy", |p| p.field_accuracy),
+    ];
     let max_events = reports
         .iter()
         .flat_map(|r| r.points.iter().map(|p| p.events))
         .max()
         .unwrap_or(1)
         .max(1);
-    let max_y = reports
-        .iter()
-        .flat_map(|r| r.points.iter().map(|p| p.exact_match))
-        .fold(0.1f64, f64::max)
-        .min(1.0)
-        * 1.15;
-    let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut builder = ChartBuilder::on(&root);
-    builder.margin(20);
-    if with_text {
-        builder
-            .caption(title, ("sans-serif", 22))
-            .x_label_area_size(45)
-            .y_label_area_size(60);
-    }
-    let mut chart = builder.build_cartesian_2d(0u64..max_events, 0f64..max_y)?;
-    if with_text {
-        chart
-            .configure_mesh()
-            .x_desc("feedback events")
-            .y_desc("eval exact match")
-            .draw()?;
-    } else {
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .disable_y_mesh()
-            .draw()?;
-    }
-    for (i, r) in reports.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
-        let pts: Vec<(u64, f64)> = r.points.iter().map(|p| (p.events, p.exact_match)).collect();
-        let series = chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?;
+    for (area, y_desc, metric) in panels {
+        let max_y = reports
+            .iter()
+            .flat_map(|r| r.points.iter().filter_map(metric))
+            .fold(0.1f64, f64::max)
+            .min(1.0)
+            * 1.15;
+        let mut builder = ChartBuilder::on(area);
+        builder.margin(20);
         if with_text {
-            series
-                .label(r.config.objective.as_str())
-                .legend(move |(x, y)| {
+            builder.x_label_area_size(45).y_label_area_size(60);
+        }
+        let mut chart = builder.build_cartesian_2d(0u64..max_events, 0f64..max_y)?;
+        if with_text {
+            chart
+                .configure_mesh()
+                .x_desc("feedback events")
+                .y_desc(y_desc)
+                .draw()?;
+        } else {
+            chart
+                .configure_mesh()
+                .disable_x_mesh()
+                .disable_y_mesh()
+                .draw()?;
+        }
+        for (i, r) in reports.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            let pts: Vec<(u64, f64)> = r
+                .points
+                .iter()
+                .filter_map(|p| metric(p).map(|y| (p.events, y)))
+                .collect();
+            let series = chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?;
+            if with_text {
+                series.label(r.config.label()).legend(move |(x, y)| {
                     PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
                 });
+            }
+            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
         }
-        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
-    }
-    if with_text {
-        chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .position(SeriesLabelPosition::UpperLeft)
-            .draw()?;
+        if with_text {
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::UpperLeft)
+                .draw()?;
+        }
     }
     root.present()?;
     Ok(())

@@ -30,7 +30,7 @@ struct Agent {
     hindsight_seen: AtomicUsize,
 }
 
-fn decide(order: &Value, customer: &Value, text: &str, with_feedback: bool) -> Value {
+fn decide(_order: &Value, customer: &Value, text: &str, with_feedback: bool) -> Value {
     let priority =
         if customer["tier"] == "gold" || (with_feedback && text.contains("high priority")) {
             "high"
