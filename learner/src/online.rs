@@ -705,7 +705,11 @@ pub async fn run_learner(
                     let r = tr.step(&picked);
                     (tr, r)
                 })
-                .instrument(info_span!("learner_replay", batch = state.batches, step = j))
+                .instrument(info_span!(
+                    "learner_replay",
+                    batch = state.batches,
+                    step = j
+                ))
                 .await
                 .map_err(|e| OnlineError::Thread(e.to_string()))?;
                 trainer_slot = Some(tr);
@@ -866,7 +870,8 @@ fn replay_indices(len: usize, n: usize, key: u64) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..len).collect();
     let n = n.min(len);
     for i in 0..n {
-        let j = i + (mix(key ^ (i as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)) as usize) % (len - i);
+        let j =
+            i + (mix(key ^ (i as u64).wrapping_mul(0x2545_F491_4F6C_DD1D)) as usize) % (len - i);
         idx.swap(i, j);
     }
     idx.truncate(n);
