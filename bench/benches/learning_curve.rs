@@ -11,6 +11,7 @@
 //! #   PLACEMENT=user-note|system-no-answer|user-turn|system  (where the self-teacher sees the feedback)
 //! #   REPLAY=0  (replay steps on earlier examples after each new micro-batch)
 //! #   KL_BUDGET=<nats per position>  (default: the learner's)
+//! #   TRAIN_EVAL=0  (also score the first N training tickets at every point: fit vs generalization)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
 //! table. Each configuration starts from the base model with fresh topics, keys and adapters.
@@ -67,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
         cfg.events = env("EVENTS", cfg.events);
         cfg.eval_every = env("EVAL_EVERY", cfg.eval_every);
         cfg.eval_items = env("EVAL_ITEMS", cfg.eval_items);
+        cfg.train_eval_items = env("TRAIN_EVAL", cfg.train_eval_items);
         cfg.lr = env("LR", cfg.lr);
         cfg.rank = env("RANK", cfg.rank);
         cfg.batch_examples = env("BATCH", cfg.batch_examples);
@@ -113,6 +115,29 @@ async fn main() -> anyhow::Result<()> {
             report.wall_s,
             report.train_tokens_per_s
         );
+        if report.config.train_eval_items > 0 {
+            eprintln!(
+                "[learning_curve] {}: on the first {} trained tickets: exact match {}, field accuracy {}",
+                objective.as_str(),
+                report.config.train_eval_items,
+                report
+                    .points
+                    .iter()
+                    .map(|p| p
+                        .train_exact_match
+                        .map_or_else(|| "-".to_string(), |f| format!("{:.0}%", f * 100.0)))
+                    .collect::<Vec<_>>()
+                    .join(" → "),
+                report
+                    .points
+                    .iter()
+                    .map(|p| p
+                        .train_field_accuracy
+                        .map_or_else(|| "-".to_string(), |f| format!("{:.0}%", f * 100.0)))
+                    .collect::<Vec<_>>()
+                    .join(" → "),
+            );
+        }
         reports.push(report);
         // Write after every configuration so a long run keeps what it measured.
         std::fs::write(
@@ -122,7 +147,7 @@ async fn main() -> anyhow::Result<()> {
         plot(
             &reports,
             &out.with_extension("png"),
-            "Hindsight on SmolLM2-135M: eval exact match vs feedback events",
+            "Hindsight on SmolLM2-135M: held-out eval vs feedback events",
         )?;
     }
     println!(

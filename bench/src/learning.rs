@@ -111,6 +111,11 @@ pub struct LearningConfig {
     pub eval_every: u64,
     /// Eval items (held-out split).
     pub eval_items: usize,
+    /// Also evaluate the first this many *training* tickets at every point (0 = off): the
+    /// tickets of the first episodes, so once `events` passes this number the learner has
+    /// seen feedback on every one of them. Held-out vs trained tells generalization from fit.
+    #[serde(default)]
+    pub train_eval_items: usize,
     /// World seed (tickets, users).
     pub seed: u64,
     /// Traffic sampling temperature.
@@ -164,6 +169,7 @@ impl LearningConfig {
             events: 64,
             eval_every: 16,
             eval_items: 20,
+            train_eval_items: 0,
             seed: 0,
             temperature: 0.7,
             concurrency: 4,
@@ -195,6 +201,12 @@ pub struct CurvePoint {
     pub exact_match: f64,
     /// Eval per-field accuracy.
     pub field_accuracy: Option<f64>,
+    /// Exact match on the first `train_eval_items` training tickets (when asked for).
+    #[serde(default)]
+    pub train_exact_match: Option<f64>,
+    /// Field accuracy on those training tickets.
+    #[serde(default)]
+    pub train_field_accuracy: Option<f64>,
     /// Adapter version evaluated (`None` = base).
     pub version: Option<u64>,
     /// Seconds since the run started.
@@ -311,6 +323,14 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         eval_items(&world, Split::Eval, cfg.eval_items, options),
     )?;
 
+    let train_set = match cfg.train_eval_items {
+        0 => None,
+        n => Some(EvalSet::from_items(
+            "support-trained",
+            eval_items(&world, Split::Train, n, options),
+        )?),
+    };
+
     let (serve_url, base_name, stop_serve) = start_serve(&cfg.model_path).await?;
     let eval_at = |model: String| {
         let mut rc = RunConfig::new(serve_url.clone(), model);
@@ -319,12 +339,29 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         rc.concurrency = 8;
         rc
     };
+    // Scores on the trained tickets, when asked for.
+    let eval_trained = |model: String| {
+        let rc = eval_at(model);
+        let set = train_set.as_ref();
+        async move {
+            match set {
+                Some(set) => {
+                    let m = evaluate(set, &rc).await?.metrics;
+                    anyhow::Ok((Some(m.exact_match), m.field_accuracy))
+                }
+                None => Ok((None, None)),
+            }
+        }
+    };
     let base_report = evaluate(&set, &eval_at(base_name.clone())).await?;
+    let (train_exact_match, train_field_accuracy) = eval_trained(base_name.clone()).await?;
     let mut points = vec![CurvePoint {
         events: 0,
         examples: 0,
         exact_match: base_report.metrics.exact_match,
         field_accuracy: base_report.metrics.field_accuracy,
+        train_exact_match,
+        train_field_accuracy,
         version: None,
         wall_s: started.elapsed().as_secs_f64(),
     }];
@@ -547,6 +584,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         };
         live = Some(version);
         let report = evaluate(&set, &eval_at(adapter_name.clone())).await?;
+        let (train_exact_match, train_field_accuracy) = eval_trained(adapter_name.clone()).await?;
         tracing::info!(
             objective = cfg.objective.as_str(),
             events = sent,
@@ -560,6 +598,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             examples,
             exact_match: report.metrics.exact_match,
             field_accuracy: report.metrics.field_accuracy,
+            train_exact_match,
+            train_field_accuracy,
             version: Some(version),
             wall_s: started.elapsed().as_secs_f64(),
         });
