@@ -152,13 +152,21 @@ pub struct LearningConfig {
     pub work_dir: PathBuf,
 }
 
+/// The learning rate of the README's curves.
+const DEFAULT_LR: f64 = 3e-3;
+
 impl LearningConfig {
-    /// The curve's name in plots: the objective, and the replay steps when there are any.
+    /// The curve's name in plots: the objective, the replay steps when there are any, and the
+    /// learning rate when it is not the default.
     pub fn label(&self) -> String {
-        match self.replay_steps_per_batch {
-            0 => self.objective.as_str().to_string(),
-            n => format!("{} + replay {n}", self.objective.as_str()),
+        let mut label = self.objective.as_str().to_string();
+        if self.replay_steps_per_batch > 0 {
+            label.push_str(&format!(" + replay {}", self.replay_steps_per_batch));
         }
+        if self.lr != DEFAULT_LR {
+            label.push_str(&format!(", lr {:e}", self.lr));
+        }
+        label
     }
 
     /// Defaults for the local services and the default model.
@@ -173,7 +181,7 @@ impl LearningConfig {
             seed: 0,
             temperature: 0.7,
             concurrency: 4,
-            lr: 3e-3,
+            lr: DEFAULT_LR,
             rank: 8,
             batch_examples: 1,
             critique_style: CritiqueStyle::RuleAndValue,
