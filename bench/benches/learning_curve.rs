@@ -22,13 +22,25 @@ use std::str::FromStr;
 use anyhow::Context;
 use clap::ValueEnum;
 use hindsight_bench::env::CritiqueStyle;
-use hindsight_bench::learning::{plot, run_learning, LearningConfig, LearningReport, Objective};
+use hindsight_bench::learning::{
+    plot, run_learning, CurvePoint, LearningConfig, LearningReport, Objective,
+};
 
 fn env<T: FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// One metric along the curve as "0% → 10% → …" ("-" where a point lacks it).
+fn percents(report: &LearningReport, metric: impl Fn(&CurvePoint) -> Option<f64>) -> String {
+    report
+        .points
+        .iter()
+        .map(|p| metric(p).map_or_else(|| "-".to_string(), |f| format!("{:.0}%", f * 100.0)))
+        .collect::<Vec<_>>()
+        .join(" → ")
 }
 
 #[tokio::main]
@@ -96,22 +108,9 @@ async fn main() -> anyhow::Result<()> {
         eprintln!(
             "[learning_curve] {}: exact match {} (gain {:+.1} points), field accuracy {}, in {:.0} s, trainer {:.0} tokens/s",
             objective.as_str(),
-            report
-                .points
-                .iter()
-                .map(|p| format!("{:.0}%", p.exact_match * 100.0))
-                .collect::<Vec<_>>()
-                .join(" → "),
+            percents(&report, |p| Some(p.exact_match)),
             report.gain() * 100.0,
-            report
-                .points
-                .iter()
-                .map(|p| {
-                    p.field_accuracy
-                        .map_or_else(|| "-".to_string(), |f| format!("{:.0}%", f * 100.0))
-                })
-                .collect::<Vec<_>>()
-                .join(" → "),
+            percents(&report, |p| p.field_accuracy),
             report.wall_s,
             report.train_tokens_per_s
         );
@@ -120,22 +119,8 @@ async fn main() -> anyhow::Result<()> {
                 "[learning_curve] {}: on the first {} trained tickets: exact match {}, field accuracy {}",
                 objective.as_str(),
                 report.config.train_eval_items,
-                report
-                    .points
-                    .iter()
-                    .map(|p| p
-                        .train_exact_match
-                        .map_or_else(|| "-".to_string(), |f| format!("{:.0}%", f * 100.0)))
-                    .collect::<Vec<_>>()
-                    .join(" → "),
-                report
-                    .points
-                    .iter()
-                    .map(|p| p
-                        .train_field_accuracy
-                        .map_or_else(|| "-".to_string(), |f| format!("{:.0}%", f * 100.0)))
-                    .collect::<Vec<_>>()
-                    .join(" → "),
+                percents(&report, |p| p.train_exact_match),
+                percents(&report, |p| p.train_field_accuracy),
             );
         }
         reports.push(report);
