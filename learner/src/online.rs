@@ -686,17 +686,19 @@ pub async fn run_learner(
             }))?;
             emit(LearnerEvent::Step(Box::new(report)));
 
-            // Replay: extra steps on earlier examples (never the batch just trained).
-            for j in 0..cfg.replay_steps_per_batch {
-                if replay.is_empty() {
-                    break;
-                }
-                let key = mix(state.batches) ^ mix(j as u64 + 1);
-                let picked: Vec<TrainExample> =
-                    replay_indices(replay.len(), cfg.max_batch_examples, key)
-                        .into_iter()
-                        .filter_map(|i| replay.get(i).cloned())
-                        .collect();
+            // Replay: extra steps on earlier examples (never the batch just trained). One draw
+            // per batch covers all its replay steps, so they train distinct examples as long as
+            // the buffer holds enough of them.
+            let draw = replay_draw(
+                replay.len(),
+                cfg.replay_steps_per_batch * cfg.max_batch_examples,
+                mix(state.batches),
+            );
+            for (j, slots) in draw.chunks(cfg.max_batch_examples.max(1)).enumerate() {
+                let picked: Vec<TrainExample> = slots
+                    .iter()
+                    .filter_map(|&i| replay.get(i).cloned())
+                    .collect();
                 let ids: Vec<Uuid> = picked.iter().map(|e| e.record_id).collect();
                 let mut tr = trainer_slot
                     .take()
@@ -863,6 +865,23 @@ fn mix(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
+}
+
+/// `n` indices into a buffer of `len` (none if it is empty), drawn deterministically from
+/// `key`: distinct while `n <= len`; beyond that, further shuffled passes over the buffer, so
+/// an index repeats only after every other one has been drawn as often.
+fn replay_draw(len: usize, n: usize, key: u64) -> Vec<usize> {
+    let mut out = Vec::with_capacity(n);
+    if len == 0 {
+        return out;
+    }
+    let mut pass = 0u64;
+    while out.len() < n {
+        let take = (n - out.len()).min(len);
+        out.extend(replay_indices(len, take, key ^ mix(pass)));
+        pass += 1;
+    }
+    out
 }
 
 /// Up to `n` distinct indices into a buffer of `len`, drawn deterministically from `key`.
@@ -1126,6 +1145,22 @@ mod tests {
                 sorted.dedup();
                 assert_eq!(sorted.len(), a.len(), "duplicates in {a:?}");
                 assert!(a.iter().all(|&i| i < len));
+            }
+        }
+        // A batch's draw for all its replay steps: distinct up to the buffer's size, then
+        // balanced passes (each index at most once more than any other).
+        assert!(replay_draw(0, 4, 7).is_empty());
+        for (len, n) in [(1usize, 4usize), (3, 2), (3, 7), (10, 10)] {
+            let d = replay_draw(len, n, 7);
+            assert_eq!(d.len(), n);
+            let mut counts = vec![0usize; len];
+            for &i in &d {
+                counts[i] += 1;
+            }
+            let (lo, hi) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+            assert!(hi - lo <= 1, "unbalanced draw {len} {n}: {d:?}");
+            if n <= len {
+                assert!(*hi == 1, "repeat within one draw: {d:?}");
             }
         }
         // Over many keys every slot of the buffer gets drawn, roughly evenly.
