@@ -14,7 +14,10 @@
 //! #   TRAIN_EVAL=0  (also score the first N training tickets at every point: fit vs generalization)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
-//! table. Each configuration starts from the base model with fresh topics, keys and adapters.
+//! table. Each curve is printed and plotted beside the constant-answer baseline (always the
+//! training split's most common decision): a student that learns only that prior reaches it
+//! without learning any rule. Each point also counts the distinct decisions among the
+//! held-out answers (1 = the same answer to every ticket). Each configuration starts from the base model with fresh topics, keys and adapters.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -114,6 +117,38 @@ async fn main() -> anyhow::Result<()> {
             report.wall_s,
             report.train_tokens_per_s
         );
+        eprintln!(
+            "[learning_curve] {}: distinct decisions among the {} held-out answers {}",
+            objective.as_str(),
+            report.config.eval_items,
+            report
+                .points
+                .iter()
+                .map(|p| p
+                    .distinct_answers
+                    .map_or("-".to_string(), |d| d.to_string()))
+                .collect::<Vec<_>>()
+                .join(" → "),
+        );
+        if let Some(b) = &report.constant_baseline {
+            eprintln!(
+                "[learning_curve] always answering the training split's most common decision {} \
+                 ({:.0}% of {} training tickets) scores {:.0}% exact, {:.0}% fields here{}",
+                b.answer,
+                b.train_share * 100.0,
+                hindsight_bench::learning::CONSTANT_BASELINE_TICKETS,
+                b.exact_match * 100.0,
+                b.field_accuracy * 100.0,
+                match (b.train_exact_match, b.train_field_accuracy) {
+                    (Some(e), Some(f)) => format!(
+                        " ({:.0}% / {:.0}% on the trained tickets)",
+                        e * 100.0,
+                        f * 100.0
+                    ),
+                    _ => String::new(),
+                }
+            );
+        }
         if report.config.train_eval_items > 0 {
             eprintln!(
                 "[learning_curve] {}: on the first {} trained tickets: exact match {}, field accuracy {}",

@@ -5,11 +5,13 @@
 //! cargo run --release -p hindsight-bench --example plot_curves -- OUT.png "title" \
 //!     a.json b.json[:distill,kto] ...
 //! ```
-//! A `:list` suffix keeps only those objectives from that file.
+//! A `:list` suffix keeps only those objectives from that file. With `FILL_BASELINE=1`, result
+//! files written before the constant-answer baseline was measured get it computed from their
+//! settings (only for runs of the current task: the world changed with the task redesign).
 use std::path::PathBuf;
 
 use anyhow::Context;
-use hindsight_bench::learning::{plot, LearningReport};
+use hindsight_bench::learning::{plot, ConstantBaseline, LearningReport};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -35,6 +37,11 @@ fn main() -> anyhow::Result<()> {
         }));
     }
     anyhow::ensure!(!reports.is_empty(), "no curves selected");
+    if std::env::var("FILL_BASELINE").is_ok_and(|v| v == "1") {
+        for r in reports.iter_mut().filter(|r| r.constant_baseline.is_none()) {
+            r.constant_baseline = Some(ConstantBaseline::for_config(&r.config)?);
+        }
+    }
     plot(&reports, &out, &title)?;
     println!("wrote {} ({} curves)", out.display(), reports.len());
     Ok(())

@@ -7,11 +7,14 @@
 //! Used by `cargo bench -p hindsight-bench --bench learning_curve` (all objective
 //! configurations, JSON + PNG) and by the small learning test in `bench/tests/learning.rs`.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use hindsight_eval::{evaluate, EvalSet, HindsightPlacement, RunConfig};
+use hindsight_eval::{
+    evaluate, extract_json_answer, score_answer, EvalSet, HindsightPlacement, RunConfig, RunReport,
+};
 use hindsight_feedback::{JoinerConfig, LogConfig, Secret};
 use hindsight_learner::online::{
     spawn_learner, LearnerConfig, LearnerControl, LearnerEvent, LearnerSetup, LearnerSummary,
@@ -156,8 +159,8 @@ pub struct LearningConfig {
 const DEFAULT_LR: f64 = 3e-3;
 
 impl LearningConfig {
-    /// The curve's name in plots: the objective, the replay steps when there are any, and the
-    /// learning rate when it is not the default.
+    /// The curve's name in plots: the objective, the replay steps when there are any, the
+    /// learning rate when it is not the default, and the seed when it is not 0.
     pub fn label(&self) -> String {
         let mut label = self.objective.as_str().to_string();
         if self.replay_steps_per_batch > 0 {
@@ -165,6 +168,9 @@ impl LearningConfig {
         }
         if self.lr != DEFAULT_LR {
             label.push_str(&format!(", lr {:e}", self.lr));
+        }
+        if self.seed != 0 {
+            label.push_str(&format!(", seed {}", self.seed));
         }
         label
     }
@@ -215,10 +221,153 @@ pub struct CurvePoint {
     /// Field accuracy on those training tickets.
     #[serde(default)]
     pub train_field_accuracy: Option<f64>,
+    /// Distinct decisions among the held-out answers (each answer projected on the decision's
+    /// fields; unparseable answers count as one more): 1 means the same answer to every ticket.
+    #[serde(default)]
+    pub distinct_answers: Option<usize>,
+    /// Share of held-out tickets that got the most common of those decisions.
+    #[serde(default)]
+    pub top_answer_share: Option<f64>,
     /// Adapter version evaluated (`None` = base).
     pub version: Option<u64>,
     /// Seconds since the run started.
     pub wall_s: f64,
+}
+
+/// The prompts of the learning runs: single-turn tickets, no rules, guided JSON.
+const SINGLE_TURN: PromptOptions = PromptOptions {
+    variant: Variant::Single,
+    with_rules: false,
+    response_format: true,
+};
+
+/// Training tickets the constant baseline is drawn from.
+pub const CONSTANT_BASELINE_TICKETS: usize = 1000;
+
+/// The best a learner that ignores the ticket can do: give every ticket the training split's
+/// most common decision. Critiques name the common values (`"refund": "none"`, `"priority":
+/// "normal"`) most often, so a student that learns only that prior lifts exact match and
+/// field accuracy without having learned a single rule; a curve has to rise above this line
+/// to show rules learned.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConstantBaseline {
+    /// The decision: the most common among [`CONSTANT_BASELINE_TICKETS`] training tickets.
+    pub answer: serde_json::Value,
+    /// Its share of those training tickets.
+    pub train_share: f64,
+    /// Exact match of always answering it, on the held-out eval items.
+    pub exact_match: f64,
+    /// Field accuracy of always answering it, on the held-out eval items.
+    pub field_accuracy: f64,
+    /// Exact match on the scored training tickets (when `train_eval_items` > 0).
+    pub train_exact_match: Option<f64>,
+    /// Field accuracy on the scored training tickets.
+    pub train_field_accuracy: Option<f64>,
+}
+
+impl ConstantBaseline {
+    /// The baseline of a run's settings (its seed, eval items and trained tickets scored), for
+    /// the current task; e.g. to fill it into result files written before it was measured.
+    pub fn for_config(cfg: &LearningConfig) -> anyhow::Result<Self> {
+        let world = World::new(cfg.seed);
+        let eval = EvalSet::from_items(
+            "support-eval",
+            eval_items(&world, Split::Eval, cfg.eval_items, SINGLE_TURN),
+        )?;
+        let trained = match cfg.train_eval_items {
+            0 => None,
+            n => Some(EvalSet::from_items(
+                "support-trained",
+                eval_items(&world, Split::Train, n, SINGLE_TURN),
+            )?),
+        };
+        Self::compute(&world, SINGLE_TURN, &eval, trained.as_ref())
+    }
+
+    /// The training split's most common decision, scored on `eval` (and `trained`) with the
+    /// eval's own scorer.
+    pub fn compute(
+        world: &World,
+        options: PromptOptions,
+        eval: &EvalSet,
+        trained: Option<&EvalSet>,
+    ) -> anyhow::Result<Self> {
+        let train = eval_items(world, Split::Train, CONSTANT_BASELINE_TICKETS, options);
+        let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+        for item in &train {
+            *counts
+                .entry(serde_json::to_string(&item.expected)?)
+                .or_default() += 1;
+        }
+        // Ties go to the first decision in key order, so the choice is deterministic.
+        let (text, n) = counts
+            .iter()
+            .fold(None::<(&String, usize)>, |best, (k, &n)| match best {
+                Some((_, m)) if m >= n => best,
+                _ => Some((k, n)),
+            })
+            .context("no training tickets")?;
+        let score = |set: &EvalSet| {
+            let scores: Vec<_> = set
+                .items
+                .iter()
+                .map(|it| score_answer(it.scorer, &it.expected, text, true))
+                .collect();
+            let len = scores.len().max(1) as f64;
+            (
+                scores.iter().filter(|s| s.passed).count() as f64 / len,
+                scores
+                    .iter()
+                    .map(|s| s.field_accuracy.unwrap_or(0.0))
+                    .sum::<f64>()
+                    / len,
+            )
+        };
+        let (exact_match, field_accuracy) = score(eval);
+        let trained = trained.map(score);
+        Ok(Self {
+            answer: serde_json::from_str(text)?,
+            train_share: n as f64 / train.len().max(1) as f64,
+            exact_match,
+            field_accuracy,
+            train_exact_match: trained.map(|t| t.0),
+            train_field_accuracy: trained.map(|t| t.1),
+        })
+    }
+}
+
+/// How varied a run's answers are: (distinct decisions, share of the most common one), each
+/// answer projected on the fields of its item's expected decision; `None` without answers.
+pub fn answer_spread(set: &EvalSet, report: &RunReport) -> Option<(usize, f64)> {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    for (item, outcome) in set.items.iter().zip(&report.items) {
+        for sample in &outcome.samples {
+            let key = match (sample.content.as_deref(), item.expected.as_object()) {
+                (Some(content), Some(expected)) => {
+                    match extract_json_answer(content, item.response_format.is_some()) {
+                        Ok(answer) => {
+                            let decision: BTreeMap<&str, &serde_json::Value> = expected
+                                .keys()
+                                .map(|k| {
+                                    (
+                                        k.as_str(),
+                                        answer.get(k).unwrap_or(&serde_json::Value::Null),
+                                    )
+                                })
+                                .collect();
+                            serde_json::to_string(&decision).unwrap_or_default()
+                        }
+                        Err(_) => "<unparseable>".to_string(),
+                    }
+                }
+                _ => "<no answer>".to_string(),
+            };
+            *counts.entry(key).or_default() += 1;
+        }
+    }
+    let total: usize = counts.values().sum();
+    let top = counts.values().copied().max()?;
+    Some((counts.len(), top as f64 / total as f64))
 }
 
 /// A finished run.
@@ -228,6 +377,9 @@ pub struct LearningReport {
     pub config: LearningConfig,
     /// The curve, starting with the base model at 0 events.
     pub points: Vec<CurvePoint>,
+    /// What always giving the most common training decision scores (older files lack it).
+    #[serde(default)]
+    pub constant_baseline: Option<ConstantBaseline>,
     /// Exact match of the traffic itself (the agent's answers during learning), per chunk.
     pub traffic_exact_match: Vec<f64>,
     /// Wall time, seconds.
@@ -320,11 +472,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     }
     std::fs::create_dir_all(&cfg.work_dir)?;
     let started = Instant::now();
-    let options = PromptOptions {
-        variant: Variant::Single,
-        with_rules: false,
-        response_format: true,
-    };
+    let options = SINGLE_TURN;
     let world = World::new(cfg.seed);
     let set = EvalSet::from_items(
         "support-eval",
@@ -339,11 +487,13 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         )?),
     };
 
+    let constant_baseline = ConstantBaseline::compute(&world, options, &set, train_set.as_ref())?;
     let (serve_url, base_name, stop_serve) = start_serve(&cfg.model_path).await?;
     let eval_at = |model: String| {
         let mut rc = RunConfig::new(serve_url.clone(), model);
         rc.progress = false;
-        rc.keep_content = false;
+        // The answers are kept to measure their spread (distinct decisions per point).
+        rc.keep_content = true;
         rc.concurrency = 8;
         rc
     };
@@ -370,6 +520,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         field_accuracy: base_report.metrics.field_accuracy,
         train_exact_match,
         train_field_accuracy,
+        distinct_answers: answer_spread(&set, &base_report).map(|s| s.0),
+        top_answer_share: answer_spread(&set, &base_report).map(|s| s.1),
         version: None,
         wall_s: started.elapsed().as_secs_f64(),
     }];
@@ -391,6 +543,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         return Ok(LearningReport {
             config: cfg,
             points,
+            constant_baseline: Some(constant_baseline),
             traffic_exact_match: vec![],
             wall_s: started.elapsed().as_secs_f64(),
             train_s: 0.0,
@@ -608,6 +761,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             field_accuracy: report.metrics.field_accuracy,
             train_exact_match,
             train_field_accuracy,
+            distinct_answers: answer_spread(&set, &report).map(|s| s.0),
+            top_answer_share: answer_spread(&set, &report).map(|s| s.1),
             version: Some(version),
             wall_s: started.elapsed().as_secs_f64(),
         });
@@ -628,6 +783,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     Ok(LearningReport {
         config: cfg,
         points,
+        constant_baseline: Some(constant_baseline),
         traffic_exact_match: traffic,
         wall_s: started.elapsed().as_secs_f64(),
         train_s,
@@ -671,20 +827,41 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
     let (left, right) = root.split_horizontally(700);
     // Older result files have no field accuracy; their points are left out of that panel.
     type Metric = fn(&CurvePoint) -> Option<f64>;
-    let panels: [(&_, &str, Metric); 2] = [
-        (&left, "eval exact match", |p| Some(p.exact_match)),
-        (&right, "eval field accuracy", |p| p.field_accuracy),
+    type Baseline = fn(&ConstantBaseline) -> f64;
+    let panels: [(&_, &str, Metric, Baseline); 2] = [
+        (
+            &left,
+            "eval exact match",
+            |p| Some(p.exact_match),
+            |b| b.exact_match,
+        ),
+        (
+            &right,
+            "eval field accuracy",
+            |p| p.field_accuracy,
+            |b| b.field_accuracy,
+        ),
     ];
+    // One constant-answer line per world (seed and eval size), not per curve.
+    let mut baselines: Vec<(u64, &ConstantBaseline)> = Vec::new();
+    for r in reports {
+        if let Some(b) = &r.constant_baseline {
+            if !baselines.iter().any(|(seed, _)| *seed == r.config.seed) {
+                baselines.push((r.config.seed, b));
+            }
+        }
+    }
     let max_events = reports
         .iter()
         .flat_map(|r| r.points.iter().map(|p| p.events))
         .max()
         .unwrap_or(1)
         .max(1);
-    for (area, y_desc, metric) in panels {
+    for (area, y_desc, metric, baseline) in panels {
         let max_y = reports
             .iter()
             .flat_map(|r| r.points.iter().filter_map(metric))
+            .chain(baselines.iter().map(|(_, b)| baseline(b)))
             .fold(0.1f64, f64::max)
             .min(1.0)
             * 1.15;
@@ -722,6 +899,21 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
             }
             chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
         }
+        for (i, (seed, b)) in baselines.iter().enumerate() {
+            let y = baseline(b);
+            let style = BLACK.mix(0.35 + 0.3 * i as f64).stroke_width(2);
+            let series = chart.draw_series(DashedLineSeries::new(
+                [(0, y), (max_events, y)],
+                10,
+                6,
+                style,
+            ))?;
+            if with_text {
+                series
+                    .label(format!("constant answer (seed {seed})"))
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            }
+        }
         if with_text {
             chart
                 .configure_series_labels()
@@ -733,4 +925,38 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
     }
     root.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn the_constant_baseline_is_the_most_common_training_decision_scored_by_the_eval() {
+        let world = World::new(0);
+        let options = SINGLE_TURN;
+        let eval = EvalSet::from_items("e", eval_items(&world, Split::Eval, 40, options)).unwrap();
+        let b = ConstantBaseline::compute(&world, options, &eval, None).unwrap();
+        let train = eval_items(&world, Split::Train, CONSTANT_BASELINE_TICKETS, options);
+        let share = |v: &serde_json::Value| {
+            train.iter().filter(|t| &t.expected == v).count() as f64 / train.len() as f64
+        };
+        assert!((share(&b.answer) - b.train_share).abs() < 1e-12);
+        assert!(train.iter().all(|t| share(&t.expected) <= b.train_share));
+        let hits = eval.items.iter().filter(|i| i.expected == b.answer).count();
+        assert!((b.exact_match - hits as f64 / 40.0).abs() < 1e-12);
+        assert!(b.field_accuracy >= b.exact_match && b.field_accuracy <= 1.0);
+        assert!(b.train_exact_match.is_none());
+    }
+
+    #[test]
+    fn curve_labels_name_what_differs_from_the_defaults() {
+        let mut cfg = LearningConfig::new(Objective::Distill, "/tmp/x");
+        assert_eq!(cfg.label(), "distill");
+        cfg.replay_steps_per_batch = 2;
+        cfg.lr = 1e-3;
+        cfg.seed = 1;
+        assert_eq!(cfg.label(), "distill + replay 2, lr 1e-3, seed 1");
+    }
 }
