@@ -5,7 +5,8 @@
 //! cargo run --release -p hindsight-bench --example plot_curves -- OUT.png "title" \
 //!     a.json b.json[:distill,kto] ...
 //! ```
-//! A `:list` suffix keeps only those objectives from that file. With `FILL_BASELINE=1`, result
+//! Writes OUT.png and, beside it, OUT.json with the plotted curves. A `:list` suffix keeps only
+//! those objectives from that file. With `FILL_BASELINE=1`, result
 //! files written before the constant-answer baseline was measured get it computed from their
 //! settings (only for runs of the current task: the world changed with the task redesign).
 use std::path::PathBuf;
@@ -43,6 +44,14 @@ fn main() -> anyhow::Result<()> {
         }
     }
     plot(&reports, &out, &title)?;
-    println!("wrote {} ({} curves)", out.display(), reports.len());
+    // The plotted curves (baselines filled in) next to the picture, as one file.
+    let json = out.with_extension("json");
+    std::fs::write(&json, serde_json::to_vec_pretty(&reports)?)?;
+    println!(
+        "wrote {} and {} ({} curves)",
+        out.display(),
+        json.display(),
+        reports.len()
+    );
     Ok(())
 }
