@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use hindsight_bench::env::{eval_items, PromptOptions, Split, Variant, World};
-use hindsight_bench::learning::{run_learning, LearningConfig, Objective};
+use hindsight_bench::learning::{run_learning, ConstantBaseline, LearningConfig, Objective};
 use hindsight_learner::candle_core::{DType, Device, Tensor};
 use hindsight_learner::objectives::token_logprobs;
 use hindsight_learner::{encode, Adapter, AdapterSelection, BatchLayout, ModelBundle};
@@ -107,6 +107,39 @@ async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers(
         .collect();
     let base = mean_answer_logprob(&bundle, None, &items);
     let learned = mean_answer_logprob(&bundle, Some(&adapter), &items);
+
+    // Beyond the prior? On the tickets whose decision is not the most common one, the margin
+    // log p(correct) − log p(most common decision) rises only if the adapter tells tickets
+    // apart; learning the prior alone moves it down. Printed, not asserted (see the README's
+    // constant-answer check).
+    let constant = ConstantBaseline::for_config(&report.config).unwrap().answer;
+    let mut constant_answer = encode(&bundle.tokenizer, &constant.to_string()).unwrap();
+    constant_answer.push(end);
+    let eval = eval_items(&World::new(seed), Split::Eval, 10, options);
+    let (correct, common): (Vec<_>, Vec<_>) = items
+        .iter()
+        .zip(&eval)
+        .filter(|(_, item)| item.expected != constant)
+        .map(|((prompt, answer), _)| {
+            (
+                (prompt.clone(), answer.clone()),
+                (prompt.clone(), constant_answer.clone()),
+            )
+        })
+        .unzip();
+    if !correct.is_empty() {
+        let margin = |adapter: Option<&Adapter>| {
+            mean_answer_logprob(&bundle, adapter, &correct)
+                - mean_answer_logprob(&bundle, adapter, &common)
+        };
+        println!(
+            "on the {} held-out tickets whose decision is not the most common one, \
+             log p(correct) - log p(most common): {:.2} (base) -> {:.2} (v{version})",
+            correct.len(),
+            margin(None),
+            margin(Some(&adapter))
+        );
+    }
     println!(
         "held-out correct answers: mean log p {base:.2} (base) -> {learned:.2} (v{version}); \
          eval exact match {:.0}% -> {:.0}%; {} examples, {:.0} s, trainer {:.0} tokens/s",
