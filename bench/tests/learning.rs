@@ -94,7 +94,8 @@ async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers(
     };
     let template = bundle.chat_template.as_ref().unwrap();
     let end = bundle.tokenizer.token_to_id("<|im_end|>").unwrap();
-    let items: Vec<(Vec<u32>, Vec<u32>)> = eval_items(&World::new(seed), Split::Eval, 10, options)
+    let eval = eval_items(&World::new(seed), Split::Eval, 10, options);
+    let items: Vec<(Vec<u32>, Vec<u32>)> = eval
         .iter()
         .map(|item| {
             let text = template
@@ -115,7 +116,6 @@ async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers(
     let constant = ConstantBaseline::for_config(&report.config).unwrap().answer;
     let mut constant_answer = encode(&bundle.tokenizer, &constant.to_string()).unwrap();
     constant_answer.push(end);
-    let eval = eval_items(&World::new(seed), Split::Eval, 10, options);
     let (correct, common): (Vec<_>, Vec<_>) = items
         .iter()
         .zip(&eval)
