@@ -97,6 +97,10 @@ fn default_placement() -> HindsightPlacement {
 }
 
 /// What result files written before the field existed used.
+fn default_prefix_grad() -> bool {
+    true
+}
+
 fn legacy_placement() -> HindsightPlacement {
     HindsightPlacement::SystemNoAnswer
 }
@@ -147,6 +151,10 @@ pub struct LearningConfig {
     /// The trainer's KL-to-base budget (nats per logged position); `None`: the learner's default.
     #[serde(default)]
     pub kl_budget: Option<f64>,
+    /// Back-propagate through the prompt (the trainer's `prefix_grad`; older result files
+    /// lack it and ran with it on).
+    #[serde(default = "default_prefix_grad")]
+    pub prefix_grad: bool,
     /// Kafka brokers.
     pub brokers: String,
     /// Redis.
@@ -172,6 +180,9 @@ impl LearningConfig {
         if self.seed != 0 {
             label.push_str(&format!(", seed {}", self.seed));
         }
+        if !self.prefix_grad {
+            label.push_str(", prompt detached");
+        }
         label
     }
 
@@ -196,6 +207,7 @@ impl LearningConfig {
             placement: default_placement(),
             replay_steps_per_batch: 0,
             kl_budget: None,
+            prefix_grad: default_prefix_grad(),
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into()),
@@ -624,6 +636,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         learner_cfg.trainer.kl_budget = budget;
     }
     learner_cfg.trainer.optimizer.lr = cfg.lr;
+    learner_cfg.trainer.prefix_grad = cfg.prefix_grad;
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
     let setup = LearnerSetup {
@@ -958,5 +971,10 @@ mod tests {
         cfg.lr = 1e-3;
         cfg.seed = 1;
         assert_eq!(cfg.label(), "distill + replay 2, lr 1e-3, seed 1");
+        cfg.prefix_grad = false;
+        assert_eq!(
+            cfg.label(),
+            "distill + replay 2, lr 1e-3, seed 1, prompt detached"
+        );
     }
 }

@@ -1,0 +1,171 @@
+//! Peak memory and time of one learner step on the default model, by example length and
+//! objective mix: what a long (e.g. degenerate, max-tokens) logged answer costs the trainer.
+//!
+//! ```sh
+//! cargo run --release -p hindsight-bench --example step_memory -- \
+//!     --context 500 --answer 30,128,256 --objectives distill-dense --steps 2
+//! ```
+//! Each answer length runs in its own child process so the peak resident set (VmHWM) is that
+//! length's alone. `--prefix-grad false` runs the trainer with the prompt's pass detached
+//! (`TrainerConfig::prefix_grad`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use hindsight_bench::learning::Objective;
+use hindsight_learner::candle_core::{DType, Device};
+use hindsight_learner::example::TrainExample;
+use hindsight_learner::trainer::{Trainer, TrainerConfig};
+use hindsight_learner::ModelBundle;
+use rand::{Rng, SeedableRng};
+
+fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+struct Args {
+    context: usize,
+    answers: Vec<usize>,
+    objective: Objective,
+    steps: usize,
+    prefix_grad: bool,
+    child: bool,
+}
+
+fn parse() -> Result<Args> {
+    let mut a = Args {
+        context: 500,
+        answers: vec![30, 128, 256],
+        objective: Objective::DistillDense,
+        steps: 2,
+        prefix_grad: true,
+        child: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
+        match k.as_str() {
+            "--context" => a.context = v()?.parse()?,
+            "--answer" => {
+                a.answers = v()?
+                    .split(',')
+                    .map(|s| s.trim().parse())
+                    .collect::<Result<_, _>>()?
+            }
+            "--objectives" => {
+                let s = v()?;
+                a.objective = Objective::ALL
+                    .into_iter()
+                    .find(|o| o.as_str() == s)
+                    .with_context(|| format!("unknown objective {s}"))?
+            }
+            "--steps" => a.steps = v()?.parse()?,
+            "--prefix-grad" => a.prefix_grad = v()?.parse()?,
+            "--child" => a.child = true,
+            other => bail!("unknown argument {other}"),
+        }
+    }
+    Ok(a)
+}
+
+fn main() -> Result<()> {
+    let a = parse()?;
+    if !a.child {
+        // One child per length: each peak is its own.
+        println!(
+            "| context | answer | objectives | prefix grad | s/step | peak RSS MB |\n| ---: | ---: | --- | --- | ---: | ---: |"
+        );
+        for n in &a.answers {
+            let out = std::process::Command::new(std::env::current_exe()?)
+                .args([
+                    "--child",
+                    "--context",
+                    &a.context.to_string(),
+                    "--answer",
+                    &n.to_string(),
+                    "--objectives",
+                    a.objective.as_str(),
+                    "--steps",
+                    &a.steps.to_string(),
+                    "--prefix-grad",
+                    &a.prefix_grad.to_string(),
+                ])
+                .output()?;
+            if !out.status.success() {
+                println!(
+                    "| {} | {n} | {} | {} | failed ({}) | |",
+                    a.context,
+                    a.objective.as_str(),
+                    a.prefix_grad,
+                    out.status
+                );
+                eprintln!("{}", String::from_utf8_lossy(&out.stderr));
+                continue;
+            }
+            print!("{}", String::from_utf8_lossy(&out.stdout));
+        }
+        return Ok(());
+    }
+
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let path = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let bundle = ModelBundle::load(&path, DType::F32, &Device::Cpu)
+        .with_context(|| format!("{} (run deploy/fetch-model.sh)", path.display()))?;
+    let vocab = bundle.config.vocab_size as u32;
+    let mut cfg = TrainerConfig {
+        prefix_grad: a.prefix_grad,
+        ..TrainerConfig::default()
+    };
+    cfg.objectives = a.objective.weights();
+    let mut trainer = Trainer::new(Arc::new(bundle.model), cfg, "probe")?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
+    let context = ids(a.context);
+    let mut teacher = context.clone();
+    teacher.extend(ids(40));
+    let n = a.answers[0];
+    let ex = TrainExample {
+        record_id: uuid::Uuid::now_v7(),
+        turn: uuid::Uuid::now_v7(),
+        route: "default".into(),
+        adapter: None,
+        context_ids: context,
+        answer_ids: ids(n),
+        behaviour_logprobs: None,
+        teacher_context_ids: Some(teacher),
+        correction_ids: Some(ids(n.min(30))),
+        thumbs: Some(false),
+        reward: Some(-1.0),
+        feedback_text: Some("probe".into()),
+        feedback_ids: vec![],
+    };
+    let mut times = Vec::new();
+    for _ in 0..a.steps.max(1) {
+        let t0 = Instant::now();
+        let r = trainer.step(std::slice::from_ref(&ex))?;
+        if let Some(why) = r.skipped {
+            bail!("step skipped: {why}");
+        }
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "| {} | {n} | {} | {} | {:.2} | {:.0} |",
+        a.context,
+        a.objective.as_str(),
+        a.prefix_grad,
+        times[times.len() / 2],
+        peak_rss_mb()
+    );
+    Ok(())
+}
