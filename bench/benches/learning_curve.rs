@@ -12,6 +12,7 @@
 //! #   REPLAY=0  (replay steps on earlier examples after each new micro-batch)
 //! #   KL_BUDGET=<nats per position>  (default: the learner's)
 //! #   PREFIX_GRAD=1  (0: the trainer back-propagates through the answer positions only)
+//! #   TEACHER_EMA=<rate>  (the teacher's EMA rate towards the policy; 0 = frozen base teacher)
 //! #   TRAIN_EVAL=0  (also score the first N training tickets at every point: fit vs generalization)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
@@ -95,6 +96,9 @@ async fn main() -> anyhow::Result<()> {
         cfg.replay_steps_per_batch = env("REPLAY", cfg.replay_steps_per_batch);
         cfg.kl_budget = std::env::var("KL_BUDGET").ok().and_then(|v| v.parse().ok());
         cfg.prefix_grad = env::<u8>("PREFIX_GRAD", 1) != 0;
+        cfg.teacher_ema_rate = std::env::var("TEACHER_EMA")
+            .ok()
+            .and_then(|v| v.parse().ok());
         if let Ok(p) = std::env::var("PLACEMENT") {
             cfg.placement = hindsight_eval::HindsightPlacement::from_str(&p, true)
                 .map_err(anyhow::Error::msg)

@@ -6,7 +6,9 @@
 //!     --context 500 --answer 30,128,256 --objectives distill-dense --steps 2
 //! ```
 //! Each answer length runs in its own child process so the peak resident set (VmHWM) is that
-//! length's alone. `--prefix-grad false` runs the trainer with the prompt's pass detached
+//! length's alone. `--trace` instead runs `--steps` steps in one process, cycling through the
+//! answer lengths with prompts of varying length, and prints the resident set after each step
+//! (does memory creep over a run?). `--prefix-grad false` runs the trainer with the prompt's pass detached
 //! (`TrainerConfig::prefix_grad`).
 
 use std::path::PathBuf;
@@ -22,11 +24,19 @@ use hindsight_learner::ModelBundle;
 use rand::{Rng, SeedableRng};
 
 fn peak_rss_mb() -> f64 {
+    status_mb("VmHWM:")
+}
+
+fn rss_mb() -> f64 {
+    status_mb("VmRSS:")
+}
+
+fn status_mb(field: &str) -> f64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<f64>().ok())
         })
@@ -40,6 +50,7 @@ struct Args {
     steps: usize,
     prefix_grad: bool,
     child: bool,
+    trace: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -50,6 +61,7 @@ fn parse() -> Result<Args> {
         steps: 2,
         prefix_grad: true,
         child: false,
+        trace: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -72,6 +84,7 @@ fn parse() -> Result<Args> {
             "--steps" => a.steps = v()?.parse()?,
             "--prefix-grad" => a.prefix_grad = v()?.parse()?,
             "--child" => a.child = true,
+            "--trace" => a.trace = true,
             other => bail!("unknown argument {other}"),
         }
     }
@@ -80,7 +93,7 @@ fn parse() -> Result<Args> {
 
 fn main() -> Result<()> {
     let a = parse()?;
-    if !a.child {
+    if !a.child && !a.trace {
         // One child per length: each peak is its own.
         println!(
             "| context | answer | objectives | prefix grad | s/step | peak RSS MB |\n| ---: | ---: | --- | --- | ---: | ---: |"
@@ -130,25 +143,45 @@ fn main() -> Result<()> {
     let mut trainer = Trainer::new(Arc::new(bundle.model), cfg, "probe")?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };
-    let context = ids(a.context);
-    let mut teacher = context.clone();
-    teacher.extend(ids(40));
-    let n = a.answers[0];
-    let ex = TrainExample {
-        record_id: uuid::Uuid::now_v7(),
-        turn: uuid::Uuid::now_v7(),
-        route: "default".into(),
-        adapter: None,
-        context_ids: context,
-        answer_ids: ids(n),
-        behaviour_logprobs: None,
-        teacher_context_ids: Some(teacher),
-        correction_ids: Some(ids(n.min(30))),
-        thumbs: Some(false),
-        reward: Some(-1.0),
-        feedback_text: Some("probe".into()),
-        feedback_ids: vec![],
+    let mut example = |context: usize, n: usize| {
+        let context_ids = ids(context);
+        let mut teacher = context_ids.clone();
+        teacher.extend(ids(40));
+        TrainExample {
+            record_id: uuid::Uuid::now_v7(),
+            turn: uuid::Uuid::now_v7(),
+            route: "default".into(),
+            adapter: None,
+            context_ids,
+            answer_ids: ids(n),
+            behaviour_logprobs: None,
+            teacher_context_ids: Some(teacher),
+            correction_ids: Some(ids(n.min(30))),
+            thumbs: Some(false),
+            reward: Some(-1.0),
+            feedback_text: Some("probe".into()),
+            feedback_ids: vec![],
+        }
     };
+    if a.trace {
+        println!("| step | prompt | answer | s | RSS MB | peak RSS MB |\n| ---: | ---: | ---: | ---: | ---: | ---: |");
+        for i in 0..a.steps {
+            let n = a.answers[i % a.answers.len()];
+            let context = a.context + (i * 37) % 100;
+            let ex = example(context, n);
+            let t0 = Instant::now();
+            trainer.step(std::slice::from_ref(&ex))?;
+            println!(
+                "| {i} | {context} | {n} | {:.2} | {:.0} | {:.0} |",
+                t0.elapsed().as_secs_f64(),
+                rss_mb(),
+                peak_rss_mb()
+            );
+        }
+        return Ok(());
+    }
+    let n = a.answers[0];
+    let ex = example(a.context, n);
     let mut times = Vec::new();
     for _ in 0..a.steps.max(1) {
         let t0 = Instant::now();

@@ -155,6 +155,10 @@ pub struct LearningConfig {
     /// lack it and ran with it on).
     #[serde(default = "default_prefix_grad")]
     pub prefix_grad: bool,
+    /// The teacher's EMA rate towards the policy (the trainer's `teacher_ema_rate`; 0 = the
+    /// teacher stays the base model shown the feedback); `None`: the learner's default.
+    #[serde(default)]
+    pub teacher_ema_rate: Option<f64>,
     /// Kafka brokers.
     pub brokers: String,
     /// Redis.
@@ -183,6 +187,11 @@ impl LearningConfig {
         if !self.prefix_grad {
             label.push_str(", prompt detached");
         }
+        match self.teacher_ema_rate {
+            Some(r) if r == 0.0 => label.push_str(", frozen teacher"),
+            Some(r) => label.push_str(&format!(", teacher EMA {r}")),
+            None => {}
+        }
         label
     }
 
@@ -208,6 +217,7 @@ impl LearningConfig {
             replay_steps_per_batch: 0,
             kl_budget: None,
             prefix_grad: default_prefix_grad(),
+            teacher_ema_rate: None,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into()),
@@ -637,6 +647,9 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     }
     learner_cfg.trainer.optimizer.lr = cfg.lr;
     learner_cfg.trainer.prefix_grad = cfg.prefix_grad;
+    if let Some(rate) = cfg.teacher_ema_rate {
+        learner_cfg.trainer.teacher_ema_rate = rate;
+    }
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
     let setup = LearnerSetup {
@@ -976,5 +989,7 @@ mod tests {
             cfg.label(),
             "distill + replay 2, lr 1e-3, seed 1, prompt detached"
         );
+        cfg.teacher_ema_rate = Some(0.0);
+        assert!(cfg.label().ends_with("prompt detached, frozen teacher"));
     }
 }
