@@ -188,7 +188,7 @@ impl LearningConfig {
             label.push_str(", prompt detached");
         }
         match self.teacher_ema_rate {
-            Some(r) if r == 0.0 => label.push_str(", frozen teacher"),
+            Some(0.0) => label.push_str(", frozen teacher"),
             Some(r) => label.push_str(&format!(", teacher EMA {r}")),
             None => {}
         }
