@@ -355,9 +355,8 @@ impl Trainer {
         tracked: bool,
     ) -> Result<Tensor> {
         let dev = self.model.device();
-        let n = answer.len();
-        let (p, a) = (prefix.len(), answer.len());
-        if p == 0 || a == 0 {
+        let (p, n) = (prefix.len(), answer.len());
+        if p == 0 || n == 0 {
             return Err(LearnerError::InvalidArgument(
                 "empty prefix or answer".into(),
             ));
