@@ -14,12 +14,16 @@
 //! #   PREFIX_GRAD=1  (0: the trainer back-propagates through the answer positions only)
 //! #   TEACHER_EMA=<rate>  (the teacher's EMA rate towards the policy; 0 = frozen base teacher)
 //! #   TRAIN_EVAL=0  (also score the first N training tickets at every point: fit vs generalization)
+//! #   DIVERGENCE=reverse_kl|forward_kl|jsd  (self-distillation's divergence; default: the learner's)
+//! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
 //! table. Each curve is printed and plotted beside the constant-answer baseline (always the
 //! training split's most common decision): a student that learns only that prior reaches it
 //! without learning any rule. Each point also counts the distinct decisions among the
-//! held-out answers (1 = the same answer to every ticket). Each configuration starts from the base model with fresh topics, keys and adapters.
+//! held-out answers (1 = the same answer to every ticket) and runs the prior probe (mean
+//! log p(correct) − log p(constant answer) on the tickets whose decision is not the constant
+//! one: down = the prior learned, up = tickets told apart). Each configuration starts from the base model with fresh topics, keys and adapters.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -99,6 +103,13 @@ async fn main() -> anyhow::Result<()> {
         cfg.teacher_ema_rate = std::env::var("TEACHER_EMA")
             .ok()
             .and_then(|v| v.parse().ok());
+        cfg.prior_probe = env::<u8>("PROBE", 1) != 0;
+        if let Ok(d) = std::env::var("DIVERGENCE") {
+            cfg.divergence = Some(
+                serde_json::from_value(serde_json::Value::String(d.clone()))
+                    .with_context(|| format!("DIVERGENCE={d}: reverse_kl, forward_kl or jsd"))?,
+            );
+        }
         if let Ok(p) = std::env::var("PLACEMENT") {
             cfg.placement = hindsight_eval::HindsightPlacement::from_str(&p, true)
                 .map_err(anyhow::Error::msg)
@@ -153,6 +164,22 @@ async fn main() -> anyhow::Result<()> {
                     ),
                     _ => String::new(),
                 }
+            );
+        }
+        if report.points.iter().any(|p| p.prior_margin.is_some()) {
+            let nats = |metric: fn(&CurvePoint) -> Option<f64>| {
+                report
+                    .points
+                    .iter()
+                    .map(|p| metric(p).map_or_else(|| "-".to_string(), |m| format!("{m:+.2}")))
+                    .collect::<Vec<_>>()
+                    .join(" → ")
+            };
+            eprintln!(
+                "[learning_curve] {}: prior margin (nats; log p(correct) − log p(constant) where they differ) held-out {}, trained {}",
+                objective.as_str(),
+                nats(|p| p.prior_margin),
+                nats(|p| p.train_prior_margin),
             );
         }
         if report.config.train_eval_items > 0 {

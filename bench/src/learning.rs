@@ -16,6 +16,7 @@ use hindsight_eval::{
     evaluate, extract_json_answer, score_answer, EvalSet, HindsightPlacement, RunConfig, RunReport,
 };
 use hindsight_feedback::{JoinerConfig, LogConfig, Secret};
+use hindsight_learner::objectives::Divergence;
 use hindsight_learner::online::{
     spawn_learner, LearnerConfig, LearnerControl, LearnerEvent, LearnerSetup, LearnerSummary,
 };
@@ -30,6 +31,7 @@ use crate::env::{
     eval_items, run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, Split,
     UserConfig, Variant, World,
 };
+use crate::prior_probe::{PriorMargins, PriorProbe};
 
 /// Which objectives learn from the feedback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
@@ -159,6 +161,14 @@ pub struct LearningConfig {
     /// teacher stays the base model shown the feedback); `None`: the learner's default.
     #[serde(default)]
     pub teacher_ema_rate: Option<f64>,
+    /// Divergence of self-distillation (the trainer's `divergence`); `None`: the learner's
+    /// default (reverse KL).
+    #[serde(default)]
+    pub divergence: Option<Divergence>,
+    /// Run the likelihood probe of learning beyond the prior ([`PriorProbe`]) at every point
+    /// (about a second per probed ticket on this CPU).
+    #[serde(default)]
+    pub prior_probe: bool,
     /// Kafka brokers.
     pub brokers: String,
     /// Redis.
@@ -192,6 +202,11 @@ impl LearningConfig {
             Some(r) => label.push_str(&format!(", teacher EMA {r}")),
             None => {}
         }
+        match self.divergence {
+            Some(Divergence::ForwardKl) => label.push_str(", forward KL"),
+            Some(Divergence::Jsd) => label.push_str(", JSD"),
+            Some(Divergence::ReverseKl) | None => {}
+        }
         label
     }
 
@@ -218,6 +233,8 @@ impl LearningConfig {
             kl_budget: None,
             prefix_grad: default_prefix_grad(),
             teacher_ema_rate: None,
+            divergence: None,
+            prior_probe: true,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into()),
@@ -250,6 +267,14 @@ pub struct CurvePoint {
     /// Share of held-out tickets that got the most common of those decisions.
     #[serde(default)]
     pub top_answer_share: Option<f64>,
+    /// [`PriorProbe`] on the held-out tickets whose decision is not the constant answer: mean
+    /// log p(correct) − log p(constant answer). Down = the prior learned, up = tickets told
+    /// apart.
+    #[serde(default)]
+    pub prior_margin: Option<f64>,
+    /// The same on the trained tickets scored (`train_eval_items`).
+    #[serde(default)]
+    pub train_prior_margin: Option<f64>,
     /// Adapter version evaluated (`None` = base).
     pub version: Option<u64>,
     /// Seconds since the run started.
@@ -510,6 +535,37 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     };
 
     let constant_baseline = ConstantBaseline::compute(&world, options, &set, train_set.as_ref())?;
+    let probe = if cfg.prior_probe {
+        let probe = PriorProbe::new(
+            &cfg.model_path,
+            &set,
+            train_set.as_ref(),
+            &constant_baseline.answer,
+        )?;
+        tracing::info!(
+            held_out = probe.sizes().0,
+            trained = probe.sizes().1,
+            "Prior probe ready (tickets whose decision is not the constant answer)."
+        );
+        Some(std::sync::Arc::new(probe))
+    } else {
+        None
+    };
+    // Runs the probe off the async workers (it is seconds of CPU per point).
+    let probe_at = |adapter_dir: Option<PathBuf>| {
+        let probe = probe.clone();
+        async move {
+            match probe {
+                Some(p) => tokio::task::spawn_blocking(move || p.margins(adapter_dir.as_deref()))
+                    .await
+                    .context("the prior probe panicked")?,
+                None => Ok(PriorMargins {
+                    held_out: None,
+                    trained: None,
+                }),
+            }
+        }
+    };
     let (serve_url, base_name, stop_serve) = start_serve(&cfg.model_path).await?;
     let eval_at = |model: String| {
         let mut rc = RunConfig::new(serve_url.clone(), model);
@@ -535,6 +591,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     };
     let base_report = evaluate(&set, &eval_at(base_name.clone())).await?;
     let (train_exact_match, train_field_accuracy) = eval_trained(base_name.clone()).await?;
+    let base_margins = probe_at(None).await?;
     let mut points = vec![CurvePoint {
         events: 0,
         examples: 0,
@@ -544,6 +601,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         train_field_accuracy,
         distinct_answers: answer_spread(&set, &base_report).map(|s| s.0),
         top_answer_share: answer_spread(&set, &base_report).map(|s| s.1),
+        prior_margin: base_margins.held_out,
+        train_prior_margin: base_margins.trained,
         version: None,
         wall_s: started.elapsed().as_secs_f64(),
     }];
@@ -649,6 +708,9 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     learner_cfg.trainer.prefix_grad = cfg.prefix_grad;
     if let Some(rate) = cfg.teacher_ema_rate {
         learner_cfg.trainer.teacher_ema_rate = rate;
+    }
+    if let Some(divergence) = cfg.divergence {
+        learner_cfg.trainer.divergence = divergence;
     }
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
@@ -772,12 +834,20 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         live = Some(version);
         let report = evaluate(&set, &eval_at(adapter_name.clone())).await?;
         let (train_exact_match, train_field_accuracy) = eval_trained(adapter_name.clone()).await?;
+        let margins = probe_at(Some(
+            cfg.work_dir
+                .join("adapters")
+                .join(&adapter_name)
+                .join(format!("v{version}")),
+        ))
+        .await?;
         tracing::info!(
             objective = cfg.objective.as_str(),
             events = sent,
             examples,
             version,
             exact_match = report.metrics.exact_match,
+            prior_margin = margins.held_out,
             "Evaluated."
         );
         points.push(CurvePoint {
@@ -789,6 +859,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             train_field_accuracy,
             distinct_answers: answer_spread(&set, &report).map(|s| s.0),
             top_answer_share: answer_spread(&set, &report).map(|s| s.1),
+            prior_margin: margins.held_out,
+            train_prior_margin: margins.trained,
             version: Some(version),
             wall_s: started.elapsed().as_secs_f64(),
         });
@@ -991,5 +1063,7 @@ mod tests {
         );
         cfg.teacher_ema_rate = Some(0.0);
         assert!(cfg.label().ends_with("prompt detached, frozen teacher"));
+        cfg.divergence = Some(Divergence::ForwardKl);
+        assert!(cfg.label().ends_with("frozen teacher, forward KL"));
     }
 }

@@ -4,3 +4,4 @@ pub mod env;
 pub mod learning;
 pub mod load;
 pub mod mock_upstream;
+pub mod prior_probe;

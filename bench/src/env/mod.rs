@@ -32,5 +32,5 @@ pub use sop::{
 };
 pub use tools::{lookup, ToolBox};
 pub use user::{critique, react, rule_phrase, value_phrase, CritiqueStyle, Reaction, UserConfig};
-pub use webhook::{feedback_events, sign, FeedbackSender, Target, BATCH_PATH};
+pub use webhook::{answer_layout, feedback_events, sign, FeedbackSender, Target, BATCH_PATH};
 pub use world::{Customer, IssueKind, Order, Split, Ticket, Tier, World};

@@ -58,10 +58,32 @@ pub fn feedback_events(target: &Target, reaction: &Reaction, rater: &str) -> Vec
     if let Some(correction) = &reaction.correction {
         events.push(base(
             "correction",
-            json!({"content": correction.to_string()}),
+            json!({"content": answer_layout(correction)}),
         ));
     }
     events
+}
+
+/// JSON in the layout the agent's answers have (`{"a": 1, "b": [1, 2]}`, the `json.dumps`
+/// style `hindsight serve`'s guided decoding fixes; keys in the schema's order, which for the
+/// decision is also key order): a reviewer's correction is the agent's answer with its values
+/// fixed, so SFT trains the very tokens the policy emits rather than a compact re-spelling of
+/// them (`":"` and `","` tokenize differently from `": "` and `", "`).
+pub fn answer_layout(v: &Value) -> String {
+    match v {
+        Value::Object(map) => {
+            let members: Vec<String> = map
+                .iter()
+                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), answer_layout(v)))
+                .collect();
+            format!("{{{}}}", members.join(", "))
+        }
+        Value::Array(items) => {
+            let items: Vec<String> = items.iter().map(answer_layout).collect();
+            format!("[{}]", items.join(", "))
+        }
+        scalar => scalar.to_string(),
+    }
 }
 
 /// A client for the feedback webhook.
@@ -174,6 +196,21 @@ mod tests {
     }
 
     #[test]
+    fn corrections_take_the_layout_of_the_agents_answers() {
+        let decision = json!({"refund": "none", "department": "retention", "priority": "normal"});
+        assert_eq!(
+            answer_layout(&decision),
+            r#"{"department": "retention", "priority": "normal", "refund": "none"}"#
+        );
+        assert_eq!(
+            answer_layout(&json!({"a": [1, {"b": "x\"y"}], "c": null})),
+            r#"{"a": [1, {"b": "x\"y"}], "c": null}"#
+        );
+        let back: Value = serde_json::from_str(&answer_layout(&decision)).unwrap();
+        assert_eq!(back, decision);
+    }
+
+    #[test]
     fn events_follow_the_contract() {
         let reaction = Reaction {
             correct: false,
@@ -190,7 +227,7 @@ mod tests {
         assert_eq!(events[0]["interaction_id"], "0190-x");
         assert_eq!(events[1]["kind"], "comment");
         assert_eq!(events[2]["kind"], "correction");
-        assert!(events[2]["value"]["content"].is_string());
+        assert_eq!(events[2]["value"]["content"], r#"{"priority": "high"}"#);
         let events = feedback_events(&Target::Episode("ep-1".into()), &reaction, "C-10001");
         assert_eq!(events[0]["episode_id"], "ep-1");
         assert!(events[0].get("interaction_id").is_none());
