@@ -179,6 +179,8 @@ pub struct LearningConfig {
 
 /// The learning rate of the README's curves.
 const DEFAULT_LR: f64 = 3e-3;
+/// The share of wrong answers the simulated user corrects by default.
+const DEFAULT_CORRECTION_RATE: f64 = 0.3;
 
 impl LearningConfig {
     /// The curve's name in plots: the objective, the replay steps when there are any, the
@@ -201,6 +203,12 @@ impl LearningConfig {
             Some(0.0) => label.push_str(", frozen teacher"),
             Some(r) => label.push_str(&format!(", teacher EMA {r}")),
             None => {}
+        }
+        if self.correction_rate != DEFAULT_CORRECTION_RATE {
+            label.push_str(&format!(
+                ", {:.0}% of wrong answers corrected",
+                self.correction_rate * 100.0
+            ));
         }
         match self.divergence {
             Some(Divergence::ForwardKl) => label.push_str(", forward KL"),
@@ -226,7 +234,7 @@ impl LearningConfig {
             rank: 8,
             batch_examples: 1,
             critique_style: CritiqueStyle::RuleAndValue,
-            correction_rate: 0.3,
+            correction_rate: DEFAULT_CORRECTION_RATE,
             noise_rate: 0.0,
             placement: default_placement(),
             replay_steps_per_batch: 0,
@@ -785,22 +793,29 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             .count() as u64;
         sent += n;
 
-        // Wait until the learner has taken in every judged turn of this chunk.
+        // Wait until the learner has taken in every judged turn of this chunk; give up only
+        // when it makes no progress for STALL (a chunk of slow steps can take longer in all).
+        const STALL: Duration = Duration::from_secs(600);
         let want = seen_records + judged;
-        let deadline = Instant::now() + Duration::from_secs(600);
+        let mut deadline = Instant::now() + STALL;
         while seen_records < want {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                bail!("the learner took in {seen_records} of {want} records within 600 s");
+                bail!(
+                    "the learner took in {seen_records} of {want} records and then nothing for {} s",
+                    STALL.as_secs()
+                );
             }
             match tokio::time::timeout(left, events_rx.recv()).await {
                 Ok(Some(LearnerEvent::Step(r))) => {
+                    deadline = Instant::now() + STALL;
                     seen_records += r.examples as u64;
                     examples += r.examples as u64;
                     train_ms += r.duration_ms;
                     train_tokens += r.tokens as u64;
                 }
                 Ok(Some(LearnerEvent::Replay(r))) => {
+                    deadline = Instant::now() + STALL;
                     replay_steps += 1;
                     train_ms += r.duration_ms;
                     train_tokens += r.tokens as u64;
@@ -1065,5 +1080,9 @@ mod tests {
         assert!(cfg.label().ends_with("prompt detached, frozen teacher"));
         cfg.divergence = Some(Divergence::ForwardKl);
         assert!(cfg.label().ends_with("frozen teacher, forward KL"));
+        cfg.correction_rate = 1.0;
+        assert!(cfg
+            .label()
+            .ends_with("frozen teacher, 100% of wrong answers corrected, forward KL"));
     }
 }
