@@ -567,10 +567,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
                 Some(p) => tokio::task::spawn_blocking(move || p.margins(adapter_dir.as_deref()))
                     .await
                     .context("the prior probe panicked")?,
-                None => Ok(PriorMargins {
-                    held_out: None,
-                    trained: None,
-                }),
+                None => Ok(PriorMargins::default()),
             }
         }
     };

@@ -41,8 +41,8 @@ pub struct PriorProbe {
     trained: Vec<ProbeItem>,
 }
 
-/// The probe's figures for one model.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// The probe's figures for one model (`None`: nothing probed).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PriorMargins {
     /// Mean margin over the held-out tickets whose decision is not the constant answer.
     pub held_out: Option<f64>,
