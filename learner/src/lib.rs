@@ -15,6 +15,7 @@ mod tokenizer;
 
 pub mod checkpoint;
 pub mod example;
+pub mod grammar;
 pub mod objectives;
 pub mod online;
 pub mod optim;

@@ -19,8 +19,9 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::adapters::AdapterVersion;
 use crate::error::ServeError;
-use crate::grammar::{JsonState, Node};
-use crate::sampler::{allowed_by_grammar, pick, Pick, SamplingParams};
+use crate::grammar::allowed_by_grammar;
+use crate::grammar::{grammar_vocab, JsonState, Node};
+use crate::sampler::{pick, Pick, SamplingParams};
 
 /// Why a sequence ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,27 +119,6 @@ struct Ctx {
     tokenizer: Arc<Tokenizer>,
     eos: Vec<u32>,
     vocab: Arc<Vec<Option<String>>>,
-}
-
-/// Decoded text of every token that can appear inside a guided document.
-pub fn grammar_vocab(tokenizer: &Tokenizer, vocab_size: usize) -> Vec<Option<String>> {
-    let special: std::collections::HashSet<u32> = tokenizer
-        .get_added_tokens_decoder()
-        .iter()
-        .filter(|(_, t)| t.special)
-        .map(|(id, _)| *id)
-        .collect();
-    (0..vocab_size as u32)
-        .map(|id| {
-            if special.contains(&id) {
-                return None;
-            }
-            match tokenizer.decode(&[id], false) {
-                Ok(s) if !s.is_empty() && !s.contains('\u{FFFD}') => Some(s),
-                _ => None,
-            }
-        })
-        .collect()
 }
 
 impl Engine {

@@ -42,6 +42,13 @@ pub enum ServeError {
     Config(String),
 }
 
+impl From<hindsight_learner::grammar::SchemaError> for ServeError {
+    /// A schema the grammar cannot compile is the request's fault: a 400 on `response_format`.
+    fn from(e: hindsight_learner::grammar::SchemaError) -> Self {
+        Self::invalid("response_format", e.0)
+    }
+}
+
 impl ServeError {
     /// A 400 about one parameter.
     pub fn invalid(param: &str, message: impl Into<String>) -> Self {
@@ -111,5 +118,21 @@ impl IntoResponse for ServeError {
             }
         }
         resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsupported_schemas_are_client_errors_on_response_format() {
+        let schema: crate::grammar::OJson = serde_json::from_str(r#"{"type": "tuple"}"#).unwrap();
+        let e: ServeError = crate::grammar::compile_schema(&schema).unwrap_err().into();
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert!(
+            matches!(&e, ServeError::InvalidRequest { param: Some(p), .. } if p == "response_format"),
+            "{e:?}"
+        );
     }
 }

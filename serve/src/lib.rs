@@ -3,15 +3,16 @@
 mod adapters;
 mod engine;
 mod error;
-mod grammar;
 mod openai;
 mod sampler;
 mod server;
 
 pub use adapters::{AdapterRegistry, AdapterTable, AdapterVersion, LoadRequest};
-pub use engine::{grammar_vocab, EngineConfig};
+pub use engine::EngineConfig;
 pub use error::ServeError;
-pub use grammar::{compile_schema, JsonState};
+/// Guided decoding lives in the model core (the learner decodes the teacher's answers with it).
+pub use hindsight_learner::grammar;
+pub use hindsight_learner::grammar::{compile_schema, grammar_vocab, JsonState};
 pub use openai::{chat_prompt, parse_body, ChatPrompt, RawRequest, ToolMode};
 pub use server::{
     app, run_serve, serve, ServeArgs, ServeConfig, ServeState, ADAPTER_HEADER, BEHAVIOUR_HEADER,

@@ -401,26 +401,7 @@ pub fn response_format_grammar(req: &RawRequest) -> Result<Option<Node>, ServeEr
         .and_then(|o| o.get("response_format"))
         .cloned()
         .unwrap_or_else(|| OJson::from(rf));
-    match rf.get("type").and_then(Value::as_str) {
-        Some("text") => Ok(None),
-        Some("json_object") => Ok(Some(grammar::compile_schema(&OJson::Obj(vec![(
-            "type".into(),
-            OJson::Str("object".into()),
-        )]))?)),
-        Some("json_schema") => {
-            let schema = ordered
-                .get("json_schema")
-                .and_then(|j| j.get("schema"))
-                .ok_or_else(|| {
-                    ServeError::invalid("response_format", "json_schema.schema is required")
-                })?;
-            Ok(Some(grammar::compile_schema(schema)?))
-        }
-        _ => Err(ServeError::invalid(
-            "response_format",
-            "type must be text, json_object or json_schema",
-        )),
-    }
+    Ok(grammar::response_format_grammar(&ordered)?)
 }
 
 /// Renders a chat request into a prompt.

@@ -3,8 +3,6 @@
 
 use rand::Rng;
 
-use crate::grammar::JsonState;
-
 /// How to sample one sequence.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -205,39 +203,6 @@ pub fn pick(
             .map(|&(i, w)| (i, lp(w, z)))
             .collect(),
     })
-}
-
-/// Whether each token may continue the document in `state` (`vocab`: the decoded text of every
-/// token usable under a grammar; `None` for special, empty and partial-UTF-8 tokens). Most tokens
-/// are refused on their first character, which is checked once per distinct character.
-pub fn allowed_by_grammar<'a>(
-    state: &JsonState,
-    vocab: &'a [Option<String>],
-) -> impl Fn(u32) -> bool + 'a {
-    let state = state.clone();
-    let first: std::cell::RefCell<std::collections::HashMap<char, Option<JsonState>>> =
-        Default::default();
-    move |id| {
-        let Some(Some(text)) = vocab.get(id as usize) else {
-            return false;
-        };
-        let mut chars = text.chars();
-        let Some(c) = chars.next() else {
-            return false;
-        };
-        let after_first = first
-            .borrow_mut()
-            .entry(c)
-            .or_insert_with(|| {
-                let mut s = state.clone();
-                s.feed(c).then_some(s)
-            })
-            .clone();
-        match after_first {
-            Some(mut s) => chars.all(|c| s.feed(c)),
-            None => false,
-        }
-    }
 }
 
 #[cfg(test)]

@@ -6,13 +6,17 @@
 //! so the model chooses values, never whitespace. Object properties come in schema order and are
 //! all emitted; enums and constants are literal alternatives; strings and numbers are small
 //! automata with length caps, so a document always closes within a bounded number of characters.
+//!
+//! `hindsight serve` decodes guided answers with it; the learner decodes the hindsight teacher's
+//! own answer with it, in the very layout the serve produces (see
+//! [`crate::trainer::DistillTarget::Teacher`]).
 
 use std::sync::Arc;
 
 use serde::de::{Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
-use crate::error::ServeError;
+use tokenizers::Tokenizer;
 
 /// JSON that keeps the order of object keys as written (schemas list properties in the order
 /// the output should have them; `serde_json::Value` sorts keys).
@@ -198,15 +202,21 @@ fn lit(s: &str) -> SeqItem {
 }
 
 /// Compiles a JSON schema (the supported subset; see the crate README) into a [`Node`].
-pub fn compile_schema(schema: &OJson) -> Result<Node, ServeError> {
+pub fn compile_schema(schema: &OJson) -> Result<Node, SchemaError> {
     compile(schema, 0)
 }
 
-fn bad(msg: impl Into<String>) -> ServeError {
-    ServeError::invalid("response_format", msg)
+/// A schema outside the supported subset, or malformed (the serve turns it into a 400 naming
+/// `response_format`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SchemaError(pub String);
+
+fn bad(msg: impl Into<String>) -> SchemaError {
+    SchemaError(msg.into())
 }
 
-fn compile(schema: &OJson, depth: usize) -> Result<Node, ServeError> {
+fn compile(schema: &OJson, depth: usize) -> Result<Node, SchemaError> {
     if depth > 16 {
         return Err(bad("schema nests deeper than 16 levels"));
     }
@@ -792,6 +802,112 @@ impl JsonState {
     }
 }
 
+/// The grammar asked for by an OpenAI `response_format` (key order as written), if any.
+pub fn response_format_grammar(rf: &OJson) -> Result<Option<Node>, SchemaError> {
+    match rf.get("type").and_then(OJson::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(compile_schema(&OJson::Obj(vec![(
+            "type".into(),
+            OJson::Str("object".into()),
+        )]))?)),
+        Some("json_schema") => {
+            let schema = rf
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .ok_or_else(|| bad("json_schema.schema is required"))?;
+            Ok(Some(compile_schema(schema)?))
+        }
+        _ => Err(bad("type must be text, json_object or json_schema")),
+    }
+}
+
+/// `response_format` with its schema's top-level `properties` put in the order their keys
+/// appear in `answer` (a document the serve produced under that schema). Logged requests pass
+/// through `serde_json::Value`, which sorts object keys; the served answer still carries the
+/// order the schema was written in, and the grammar emits properties in schema order.
+pub fn with_answer_key_order(rf: &OJson, answer: &OJson) -> OJson {
+    let OJson::Obj(order) = answer else {
+        return rf.clone();
+    };
+    let rank = |k: &str| order.iter().position(|(a, _)| a == k).unwrap_or(usize::MAX);
+    let mut rf = rf.clone();
+    if let OJson::Obj(top) = &mut rf {
+        for (k, js) in top.iter_mut() {
+            let OJson::Obj(js) = js else { continue };
+            if k != "json_schema" {
+                continue;
+            }
+            for (k, schema) in js.iter_mut() {
+                let OJson::Obj(schema) = schema else { continue };
+                if k != "schema" {
+                    continue;
+                }
+                for (k, props) in schema.iter_mut() {
+                    if let (true, OJson::Obj(props)) = (k == "properties", props) {
+                        props.sort_by_key(|(name, _)| rank(name));
+                    }
+                }
+            }
+        }
+    }
+    rf
+}
+
+/// Decoded text of every token that can appear inside a guided document (special tokens and
+/// tokens that decode to partial UTF-8 are `None`).
+pub fn grammar_vocab(tokenizer: &Tokenizer, vocab_size: usize) -> Vec<Option<String>> {
+    let special: std::collections::HashSet<u32> = tokenizer
+        .get_added_tokens_decoder()
+        .iter()
+        .filter(|(_, t)| t.special)
+        .map(|(id, _)| *id)
+        .collect();
+    (0..vocab_size as u32)
+        .map(|id| {
+            if special.contains(&id) {
+                return None;
+            }
+            match tokenizer.decode(&[id], false) {
+                Ok(s) if !s.is_empty() && !s.contains('\u{FFFD}') => Some(s),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// Whether token `id` may follow in `state`: every character of its text must continue a valid
+/// document. The first character's successor state is memoised (most candidates share a few
+/// first characters).
+pub fn allowed_by_grammar<'a>(
+    state: &JsonState,
+    vocab: &'a [Option<String>],
+) -> impl Fn(u32) -> bool + 'a {
+    let state = state.clone();
+    let first: std::cell::RefCell<std::collections::HashMap<char, Option<JsonState>>> =
+        Default::default();
+    move |id| {
+        let Some(Some(text)) = vocab.get(id as usize) else {
+            return false;
+        };
+        let mut chars = text.chars();
+        let Some(c) = chars.next() else {
+            return false;
+        };
+        let after_first = first
+            .borrow_mut()
+            .entry(c)
+            .or_insert_with(|| {
+                let mut s = state.clone();
+                s.feed(c).then_some(s)
+            })
+            .clone();
+        match after_first {
+            Some(mut s) => chars.all(|c| s.feed(c)),
+            None => false,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -875,8 +991,31 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_schemas_are_client_errors() {
+    fn unsupported_schemas_are_errors_that_name_the_problem() {
         let e = compile_schema(&ordered(&json!({"type": "tuple"}))).unwrap_err();
-        assert_eq!(e.status(), axum::http::StatusCode::BAD_REQUEST);
+        assert!(e.0.contains("tuple"), "{e}");
+    }
+
+    #[test]
+    fn response_formats_compile_and_take_the_answers_key_order() {
+        let rf = ordered(
+            &json!({"type": "json_schema", "json_schema": {"name": "d", "schema": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}}}),
+        );
+        // serde_json sorted the keys; the served answer had them as the schema was written.
+        let answer: OJson = serde_json::from_str(r#"{"b": true, "a": 1}"#).unwrap();
+        let node = response_format_grammar(&with_answer_key_order(&rf, &answer))
+            .unwrap()
+            .unwrap();
+        let mut st = JsonState::new(&node);
+        assert!(st.feed_str(r#"{"b": true, "a": 1}"#) && st.finished());
+        let node = response_format_grammar(&rf).unwrap().unwrap();
+        assert!(!JsonState::new(&node).feed_str(r#"{"b""#));
+        assert!(response_format_grammar(&ordered(&json!({"type": "text"})))
+            .unwrap()
+            .is_none());
+        let e = response_format_grammar(&ordered(&json!({"type": "xml"}))).unwrap_err();
+        assert!(e.0.contains("json_schema"), "{e}");
     }
 }
