@@ -137,6 +137,7 @@ fn episode(i: usize, answered: bool) -> EpisodeRecord {
             tools: None,
             tool_choice: None,
             model: None,
+            response_format: None,
         },
         answer: answered.then(|| json!({"role": "assistant", "content": format!("{capital}.")})),
         behaviour: None,

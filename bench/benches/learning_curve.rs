@@ -15,6 +15,8 @@
 //! #   TEACHER_EMA=<rate>  (the teacher's EMA rate towards the policy; 0 = frozen base teacher)
 //! #   TRAIN_EVAL=0  (also score the first N training tickets at every point: fit vs generalization)
 //! #   DIVERGENCE=reverse_kl|forward_kl|jsd  (self-distillation's divergence; default: the learner's)
+//! #   DISTILL_TARGET=logged|teacher  (self-distillation on the logged answer, or on the answer
+//! #     the hindsight teacher decodes itself under the request's grammar)
 //! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
@@ -109,6 +111,10 @@ async fn main() -> anyhow::Result<()> {
                 serde_json::from_value(serde_json::Value::String(d.clone()))
                     .with_context(|| format!("DIVERGENCE={d}: reverse_kl, forward_kl or jsd"))?,
             );
+        }
+        if let Ok(t) = std::env::var("DISTILL_TARGET") {
+            cfg.distill_target = serde_json::from_value(serde_json::Value::String(t.clone()))
+                .with_context(|| format!("DISTILL_TARGET={t}: logged or teacher"))?;
         }
         if let Ok(p) = std::env::var("PLACEMENT") {
             cfg.placement = hindsight_eval::HindsightPlacement::from_str(&p, true)

@@ -338,6 +338,7 @@ fn train_example(
         answer_ids,
         teacher_context_ids: Some(teacher),
         correction_ids: Some(correction_ids),
+        answer_format: None,
         thumbs: Some(false),
         reward: Some(-1.0),
         feedback_text: Some("wrong department".into()),

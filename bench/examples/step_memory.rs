@@ -157,6 +157,7 @@ fn main() -> Result<()> {
             behaviour_logprobs: None,
             teacher_context_ids: Some(teacher),
             correction_ids: Some(ids(n.min(30))),
+            answer_format: None,
             thumbs: Some(false),
             reward: Some(-1.0),
             feedback_text: Some("probe".into()),

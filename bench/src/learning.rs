@@ -22,7 +22,7 @@ use hindsight_learner::online::{
 };
 use hindsight_learner::publish::PublishConfig;
 use hindsight_learner::registry::RegistryConfig;
-use hindsight_learner::trainer::ObjectiveWeights;
+use hindsight_learner::trainer::{DistillTarget, ObjectiveWeights};
 use hindsight_proxy::{Extensions, RawConfig};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -165,6 +165,10 @@ pub struct LearningConfig {
     /// default (reverse KL).
     #[serde(default)]
     pub divergence: Option<Divergence>,
+    /// The answer self-distillation reads the models on (the trainer's `distill_target`; older
+    /// result files lack it and ran on the logged answer).
+    #[serde(default)]
+    pub distill_target: DistillTarget,
     /// Run the likelihood probe of learning beyond the prior ([`PriorProbe`]) at every point
     /// (about a second per probed ticket on this CPU).
     #[serde(default)]
@@ -215,6 +219,9 @@ impl LearningConfig {
             Some(Divergence::Jsd) => label.push_str(", JSD"),
             Some(Divergence::ReverseKl) | None => {}
         }
+        if self.distill_target == DistillTarget::Teacher {
+            label.push_str(", on the teacher's answer");
+        }
         label
     }
 
@@ -242,6 +249,7 @@ impl LearningConfig {
             prefix_grad: default_prefix_grad(),
             teacher_ema_rate: None,
             divergence: None,
+            distill_target: DistillTarget::default(),
             prior_probe: true,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
@@ -717,6 +725,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     if let Some(divergence) = cfg.divergence {
         learner_cfg.trainer.divergence = divergence;
     }
+    learner_cfg.trainer.distill_target = cfg.distill_target;
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
     let setup = LearnerSetup {
@@ -1081,5 +1090,7 @@ mod tests {
         assert!(cfg
             .label()
             .ends_with("frozen teacher, 100% of wrong answers corrected, forward KL"));
+        cfg.distill_target = DistillTarget::Teacher;
+        assert!(cfg.label().ends_with("forward KL, on the teacher's answer"));
     }
 }

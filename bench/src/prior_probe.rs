@@ -159,9 +159,7 @@ fn items(bundle: &ModelBundle, set: &EvalSet, constant: &Value) -> anyhow::Resul
         .as_ref()
         .context("the model carries no chat template")?;
     let end = bundle
-        .tokenizer
-        .token_to_id("<|im_end|>")
-        .or_else(|| bundle.eos_token_ids.first().copied())
+        .end_of_turn()
         .context("the model has no end-of-turn token")?;
     let answer = |v: &Value| -> anyhow::Result<Vec<u32>> {
         let mut ids = encode(&bundle.tokenizer, &answer_layout(v))?;

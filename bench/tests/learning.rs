@@ -94,7 +94,7 @@ async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers(
         response_format: true,
     };
     let template = bundle.chat_template.as_ref().unwrap();
-    let end = bundle.tokenizer.token_to_id("<|im_end|>").unwrap();
+    let end = bundle.end_of_turn().unwrap();
     let eval = eval_items(&World::new(seed), Split::Eval, 10, options);
     let items: Vec<(Vec<u32>, Vec<u32>)> = eval
         .iter()

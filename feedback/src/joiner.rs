@@ -613,6 +613,7 @@ impl Joiner {
                 .get("model")
                 .and_then(Value::as_str)
                 .map(str::to_string),
+            response_format: i.request.get("response_format").cloned(),
         };
         let rec = EpisodeRecord {
             schema: EPISODE_SCHEMA.into(),

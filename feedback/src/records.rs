@@ -254,6 +254,10 @@ pub struct EpisodeContext {
     /// The request's model field, when present.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// The request's `response_format`, when present (the learner decodes the hindsight
+    /// teacher's own answer under the same grammar the serve used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_format: Option<serde_json::Value>,
 }
 
 /// A feedback event the joiner could not place (topic `hindsight.deadletter`).

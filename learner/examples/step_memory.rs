@@ -52,6 +52,7 @@ fn main() -> anyhow::Result<()> {
         behaviour_logprobs: None,
         teacher_context_ids: Some((0..500).map(|i| 100 + (i * 5) % 20000).collect()),
         correction_ids: Some((0..60).map(|i| 300 + (i * 13) % 20000).collect()),
+        answer_format: None,
         thumbs: Some(false),
         reward: Some(-1.0),
         feedback_text: Some("x".into()),

@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use crate::chat::{prompt_tools, ChatInputError, ChatTemplate};
 use crate::error::{LearnerError, Result};
+use crate::grammar::{with_answer_key_order, OJson};
 use crate::tokenizer::encode;
 
 /// How examples are built.
@@ -78,6 +79,10 @@ pub struct TrainExample {
     pub teacher_context_ids: Option<Vec<u32>>,
     /// A corrected answer's tokens (ending with the end-of-turn token), if any.
     pub correction_ids: Option<Vec<u32>>,
+    /// The request's `response_format` (schema properties in the logged answer's key order),
+    /// when it asked for one: the teacher's own answer is decoded under the same grammar, so it
+    /// has the layout the serve gives answers ([`crate::trainer::DistillTarget::Teacher`]).
+    pub answer_format: Option<OJson>,
     /// The last thumbs, if any.
     pub thumbs: Option<bool>,
     /// The scalar reward in [-1, 1] (mean of thumbs, scores and tool outcomes), if any.
@@ -283,6 +288,14 @@ pub fn build_example(
         None => None,
     };
 
+    let answer_format = rec.context.response_format.as_ref().map(|rf| {
+        let rf = OJson::from(rf);
+        match serde_json::from_str::<OJson>(&answer_text) {
+            Ok(answer) => with_answer_key_order(&rf, &answer),
+            Err(_) => rf,
+        }
+    });
+
     let longest_context = context_ids
         .len()
         .max(teacher_context_ids.as_ref().map_or(0, Vec::len));
@@ -303,6 +316,7 @@ pub fn build_example(
         behaviour_logprobs: behaviour,
         teacher_context_ids,
         correction_ids,
+        answer_format,
         thumbs,
         reward,
         feedback_text,
@@ -391,6 +405,7 @@ mod tests {
                 tools: None,
                 tool_choice: None,
                 model: None,
+                response_format: None,
             },
             answer: Some(serde_json::json!({"role": "assistant", "content": "hi"})),
             behaviour,

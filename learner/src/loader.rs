@@ -32,6 +32,16 @@ pub struct ModelBundle {
 }
 
 impl ModelBundle {
+    /// The token that closes an assistant turn in a chat: ChatML's `<|im_end|>` when the
+    /// vocabulary has it (ChatML templates close turns with it whatever the model's first
+    /// end-of-sequence token is), else the first end-of-sequence token.
+    /// Training appends it to answers so the model also learns to stop.
+    pub fn end_of_turn(&self) -> Option<u32> {
+        self.tokenizer
+            .token_to_id("<|im_end|>")
+            .or_else(|| self.eos_token_ids.first().copied())
+    }
+
     /// Loads a `.gguf` file or an HF model directory, converting weights to `dtype` on `device`.
     pub fn load(path: &Path, dtype: DType, device: &Device) -> Result<Self> {
         if path.is_dir() {

@@ -34,13 +34,14 @@ use crate::checkpoint::{CheckpointStore, LoopState};
 use crate::device::{DeviceSpec, WeightDType};
 use crate::error::LearnerError;
 use crate::example::{build_example, ExampleConfig, SkipReason, TrainExample};
+use crate::grammar::grammar_vocab;
 use crate::loader::ModelBundle;
 use crate::lora::Adapter;
 use crate::publish::{gate_and_publish, GateVerdict, PublishConfig, PublishError};
 use crate::registry::{
     sha256_file, NewVersion, OffsetRange, Registry, RegistryConfig, RegistryError, VersionEntry,
 };
-use crate::trainer::{StepReport, Trainer, TrainerConfig};
+use crate::trainer::{DistillTarget, StepReport, TeacherDecoding, Trainer, TrainerConfig};
 
 /// The `[learner]` section.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -417,6 +418,9 @@ pub async fn run_learner(
     })
     .await
     .map_err(|e| OnlineError::Thread(e.to_string()))??;
+    let end_of_turn = bundle
+        .end_of_turn()
+        .ok_or_else(|| OnlineError::Config("the model has no end-of-turn token".into()))?;
     let template = bundle.chat_template.ok_or_else(|| {
         OnlineError::Config(format!(
             "{} carries no chat template; the learner must render prompts exactly as served",
@@ -424,10 +428,6 @@ pub async fn run_learner(
         ))
     })?;
     let tokenizer = bundle.tokenizer.clone();
-    let end_of_turn = tokenizer
-        .token_to_id("<|im_end|>")
-        .or_else(|| bundle.eos_token_ids.first().copied())
-        .ok_or_else(|| OnlineError::Config("the model has no end-of-turn token".into()))?;
     let model_cfg = bundle.config.clone();
     let model = Arc::new(bundle.model);
 
@@ -465,6 +465,13 @@ pub async fn run_learner(
         }
         None => Trainer::new(model.clone(), cfg.trainer.clone(), &cfg.adapter_name)?,
     };
+    if cfg.trainer.distill_target == DistillTarget::Teacher {
+        // The teacher decodes its own answers under the logged requests' grammars.
+        trainer.set_decoding(TeacherDecoding {
+            vocab: Arc::new(grammar_vocab(&tokenizer, model_cfg.vocab_size)),
+            end_of_turn,
+        });
+    }
     let store = CheckpointStore::open(&cfg.checkpoint_dir, cfg.keep_checkpoints)?;
     let mut state = match store.restore(&mut trainer)? {
         Some(s) => {
@@ -978,6 +985,16 @@ fn record_metrics(r: &StepReport) {
     }
     if let Some(v) = r.clip_fraction {
         metrics::gauge!("hindsight_learner_ratio_clip_fraction").set(v);
+    }
+    if let Some(c) = r.teacher_answers {
+        // Outcome of the teacher's own answers (`distill_target = teacher`).
+        let counter = |outcome: &'static str, n: usize| {
+            metrics::counter!("hindsight_learner_teacher_answers_total", "outcome" => outcome)
+                .increment(n as u64)
+        };
+        counter("changed", c.changed);
+        counter("kept", c.decoded - c.changed - c.fallback);
+        counter("fallback", c.fallback);
     }
 }
 

@@ -19,6 +19,7 @@ use tracing::{debug, info_span, warn};
 
 use crate::error::{LearnerError, Result};
 use crate::example::TrainExample;
+use crate::grammar::{allowed_by_grammar, response_format_grammar, JsonState, OJson};
 use crate::lora::{Adapter, AdapterSelection, LoraConfig, LoraInit};
 use crate::model::{BatchLayout, KvCache, Model};
 use crate::objectives::{
@@ -113,6 +114,34 @@ pub struct TrainerConfig {
     /// O(answer × prompt); see the README's learner section for the measured figures.
     #[serde(default = "default_prefix_grad")]
     pub prefix_grad: bool,
+    /// Which answer self-distillation compares teacher and student on.
+    #[serde(default)]
+    pub distill_target: DistillTarget,
+    /// Longest answer the teacher may decode with [`DistillTarget::Teacher`] (an answer that
+    /// does not end within it falls back to the logged answer).
+    #[serde(default = "default_teacher_answer_max_tokens")]
+    pub teacher_answer_max_tokens: usize,
+}
+
+/// The answer on which self-distillation reads the teacher's and the student's next-token
+/// distributions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DistillTarget {
+    /// The logged answer: per-token distillation on the tokens the behaviour policy sampled.
+    /// The teacher grades those tokens but never says which answer it would have given.
+    #[default]
+    Logged,
+    /// The teacher's own answer: the teacher (EMA policy shown the feedback) decodes greedily
+    /// after its hindsight prompt, under the logged request's `response_format` grammar when
+    /// there was one (so in the serve's layout), and the student is distilled on that sequence
+    /// (sequence-level knowledge distillation, Kim & Rush 2016, with a hindsight teacher). When
+    /// the teacher's answer equals the logged one this is the same as `logged`.
+    Teacher,
+}
+
+fn default_teacher_answer_max_tokens() -> usize {
+    256
 }
 
 fn default_prefix_grad() -> bool {
@@ -175,6 +204,8 @@ impl Default for TrainerConfig {
             max_grad_norm: default_max_grad_norm(),
             seed: 0,
             prefix_grad: default_prefix_grad(),
+            distill_target: DistillTarget::default(),
+            teacher_answer_max_tokens: default_teacher_answer_max_tokens(),
         }
     }
 }
@@ -205,6 +236,9 @@ impl TrainerConfig {
         }
         if self.kl_budget < 0.0 || self.kl_penalty < 0.0 {
             return Err(bad("kl_budget and kl_penalty must be >= 0"));
+        }
+        if self.teacher_answer_max_tokens == 0 {
+            return Err(bad("teacher_answer_max_tokens must be >= 1"));
         }
         Ok(())
     }
@@ -240,12 +274,48 @@ pub struct StepReport {
     pub advantage_std: Option<f64>,
     /// Share of tokens whose importance ratio was clipped.
     pub clip_fraction: Option<f64>,
+    /// With [`DistillTarget::Teacher`]: examples whose teacher answer was decoded, and of those
+    /// the ones where it differs from the logged answer (the teacher changed its mind in
+    /// hindsight) and the ones that did not finish within the token limit (distilled on the
+    /// logged answer instead).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher_answers: Option<TeacherAnswerCounts>,
     /// Gradient norm before clipping.
     pub grad_norm: f64,
     /// Why the step was skipped (non-finite loss, gradient or weights), if it was.
     pub skipped: Option<String>,
     /// Wall time of the step, ms.
     pub duration_ms: u64,
+}
+
+/// What the hindsight teacher's decoded answers were, per step ([`DistillTarget::Teacher`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct TeacherAnswerCounts {
+    /// Answers decoded.
+    pub decoded: usize,
+    /// Answers that differ from the logged answer.
+    pub changed: usize,
+    /// Answers cut at `teacher_answer_max_tokens` or with an invalid `response_format`
+    /// (distilled on the logged answer instead).
+    pub fallback: usize,
+}
+
+/// Tokens the teacher needs to decode its own answer: the text of every token (for the
+/// grammar) and the end-of-turn token that closes an answer.
+#[derive(Debug, Clone)]
+pub struct TeacherDecoding {
+    /// Decoded text per token id, `None` for tokens a guided document cannot contain (see
+    /// [`crate::grammar::grammar_vocab`]).
+    pub vocab: Arc<Vec<Option<String>>>,
+    /// The end-of-turn token appended after a finished answer (and the stop token of an
+    /// unconstrained one).
+    pub end_of_turn: u32,
+}
+
+/// A teacher's decoded answer and its logits at the positions that predict it.
+struct TeacherAnswer {
+    ids: Vec<u32>,
+    logits: Tensor,
 }
 
 /// Counters and running statistics that belong in a checkpoint.
@@ -273,6 +343,7 @@ pub struct Trainer {
     teacher: Adapter,
     opt: AdamW,
     state: TrainerState,
+    decoding: Option<TeacherDecoding>,
 }
 
 impl std::fmt::Debug for Trainer {
@@ -319,7 +390,14 @@ impl Trainer {
             teacher,
             opt,
             state: TrainerState::default(),
+            decoding: None,
         })
+    }
+
+    /// What the teacher needs to decode its own answers ([`DistillTarget::Teacher`]; the
+    /// online loop sets it from the tokenizer).
+    pub fn set_decoding(&mut self, decoding: TeacherDecoding) {
+        self.decoding = Some(decoding);
     }
 
     /// The policy being trained.
@@ -431,6 +509,81 @@ impl Trainer {
         )?)
     }
 
+    /// The teacher's own answer after `tctx`: greedy, under the grammar of `format` when given
+    /// (then closed with the end-of-turn token), else until the end-of-turn token. Returns the
+    /// answer and the teacher's logits at the positions that predict it (the decoding's own
+    /// forward passes), or `None` when it does not finish within the token limit.
+    fn teacher_answer(
+        &self,
+        tctx: &[u32],
+        format: Option<&OJson>,
+    ) -> Result<Option<TeacherAnswer>> {
+        let Some(dec) = &self.decoding else {
+            return Err(LearnerError::InvalidArgument(
+                "distill_target = teacher needs the tokenizer's vocabulary (Trainer::set_decoding)"
+                    .into(),
+            ));
+        };
+        let grammar = match format.map(response_format_grammar) {
+            Some(Ok(g)) => g,
+            Some(Err(e)) => {
+                debug!(error = %e, "Unusable response_format; the teacher's answer falls back to the logged one.");
+                return Ok(None);
+            }
+            None => None,
+        };
+        let mut state = grammar.as_ref().map(JsonState::new);
+        let dev = self.model.device();
+        let adapters = AdapterSelection::All(&self.teacher);
+        let mut cache = KvCache::new();
+        let mut input = Tensor::from_slice(tctx, (1, tctx.len()), dev)?;
+        let mut layout = BatchLayout::dense(1, tctx.len(), 0);
+        let (mut ids, mut rows) = (Vec::new(), Vec::new());
+        for _ in 0..self.cfg.teacher_answer_max_tokens {
+            let logits = self
+                .model
+                .forward_last(&input, &layout, Some(&mut cache), &adapters)?;
+            let row: Vec<f32> = logits.squeeze(0)?.to_vec1()?;
+            rows.push(logits);
+            if state.as_ref().is_some_and(JsonState::finished) {
+                ids.push(dec.end_of_turn);
+                break;
+            }
+            let id = match &mut state {
+                Some(st) => {
+                    let allowed = allowed_by_grammar(st, &dec.vocab);
+                    let Some(id) = best_allowed(&row, &allowed) else {
+                        return Ok(None);
+                    };
+                    let text = dec
+                        .vocab
+                        .get(id as usize)
+                        .cloned()
+                        .flatten()
+                        .unwrap_or_default();
+                    if !st.feed_str(&text) {
+                        return Ok(None);
+                    }
+                    id
+                }
+                None => best_allowed(&row, &|_| true).unwrap_or(dec.end_of_turn),
+            };
+            ids.push(id);
+            if id == dec.end_of_turn {
+                break;
+            }
+            input = Tensor::from_slice(&[id], (1, 1), dev)?;
+            layout = BatchLayout::dense(1, 1, cache.len());
+        }
+        if ids.last() != Some(&dec.end_of_turn) {
+            return Ok(None);
+        }
+        Ok(Some(TeacherAnswer {
+            logits: Tensor::cat(&rows, 0)?,
+            ids,
+        }))
+    }
+
     /// One optimizer step on `batch`. A step refused by a guard leaves the weights untouched
     /// and says why in [`StepReport::skipped`].
     pub fn step(&mut self, batch: &[TrainExample]) -> Result<StepReport> {
@@ -469,6 +622,7 @@ impl Trainer {
         let (mut clip_sum, mut clip_n) = (0.0, 0usize);
         let mut z_updates = Vec::new();
         let mut baseline_updates = Vec::new();
+        let mut teacher_counts: Option<TeacherAnswerCounts> = None;
 
         for ex in batch {
             if ex.context_ids.is_empty() || ex.answer_ids.is_empty() {
@@ -530,9 +684,29 @@ impl Trainer {
                     }
                 }
 
+                // With `distill_target = teacher` the teacher first decodes its own answer.
+                let own = match &ex.teacher_context_ids {
+                    Some(tctx)
+                        if w.distill > 0.0 && self.cfg.distill_target == DistillTarget::Teacher =>
+                    {
+                        let own = self.teacher_answer(tctx, ex.answer_format.as_ref())?;
+                        let c = teacher_counts.get_or_insert_with(Default::default);
+                        c.decoded += 1;
+                        match &own {
+                            Some(a) => {
+                                report.tokens += tctx.len() + a.ids.len();
+                                c.changed += usize::from(a.ids != ex.answer_ids);
+                            }
+                            None => c.fallback += 1,
+                        }
+                        own
+                    }
+                    _ => None,
+                };
+
                 // Teacher: the EMA policy shown the feedback, on the same answer tokens.
                 let teacher = match &ex.teacher_context_ids {
-                    Some(tctx) if w.distill > 0.0 || w.dense > 0.0 => {
+                    Some(tctx) if w.dense > 0.0 || w.distill > 0.0 && own.is_none() => {
                         report.tokens += tctx.len() + n;
                         Some(self.answer_pass(
                             tctx,
@@ -544,11 +718,32 @@ impl Trainer {
                     _ => None,
                 };
 
-                if let (Some(t), true) = (&teacher, w.distill > 0.0) {
+                // Distillation on the teacher's own answer (a second student pass unless the
+                // teacher agrees with the logged answer) or on the logged one.
+                let on_own = match &own {
+                    Some(a) if a.ids == ex.answer_ids => Some((student.logits.clone(), &a.logits)),
+                    Some(a) => {
+                        report.tokens += ex.context_ids.len() + a.ids.len();
+                        let pass = self.answer_pass(
+                            &ex.context_ids,
+                            &a.ids,
+                            &AdapterSelection::All(&self.policy),
+                            true,
+                        )?;
+                        Some((pass.logits, &a.logits))
+                    }
+                    None => None,
+                };
+                let pair = on_own.or_else(|| {
+                    teacher
+                        .as_ref()
+                        .map(|t| (student.logits.clone(), &t.logits))
+                });
+                if let (Some((s_logits, t_logits)), true) = (pair, w.distill > 0.0) {
                     let d = mean(&distill_loss(
-                        &student.logits,
-                        &t.logits,
-                        self.cfg.top_k.min(t.logits.dim(1)?),
+                        &s_logits,
+                        t_logits,
+                        self.cfg.top_k.min(t_logits.dim(1)?),
                         self.cfg.divergence,
                     )?)?;
                     note("distill", d.to_scalar::<f32>()? as f64);
@@ -678,6 +873,7 @@ impl Trainer {
             report.advantage_std = Some(var.sqrt());
         }
         report.clip_fraction = (clip_n > 0).then(|| clip_sum / clip_n as f64);
+        report.teacher_answers = teacher_counts;
         report.terms = term_sums
             .iter()
             .map(|(k, v)| (k.clone(), v / applied[k] as f64))
@@ -806,6 +1002,25 @@ impl Trainer {
 }
 
 /// Adds `t` to the running sum in `total`.
+/// The highest-scoring token `allowed` admits (the top 256 first, then the whole row).
+fn best_allowed(row: &[f32], allowed: &dyn Fn(u32) -> bool) -> Option<u32> {
+    const FIRST_CUT: usize = 256;
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let by_score = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]);
+    if idx.len() > FIRST_CUT {
+        idx.select_nth_unstable_by(FIRST_CUT - 1, by_score);
+    }
+    let k = idx.len().min(FIRST_CUT);
+    idx[..k].sort_unstable_by(by_score);
+    idx[..k].iter().copied().find(|&i| allowed(i)).or_else(|| {
+        idx[k..]
+            .iter()
+            .copied()
+            .filter(|&i| allowed(i))
+            .max_by(|&a, &b| row[a as usize].total_cmp(&row[b as usize]))
+    })
+}
+
 fn push(total: &mut Option<Tensor>, t: Tensor) -> Result<()> {
     *total = Some(match total.take() {
         Some(acc) => (acc + t)?,
@@ -898,6 +1113,7 @@ mod tests {
             behaviour_logprobs: None,
             teacher_context_ids: teacher.then(|| vec![1, 2, 3 + i % 5, 20, 21, 4]),
             correction_ids: correction.then(|| vec![10, 11, 12]),
+            answer_format: None,
             thumbs,
             reward: thumbs.map(|t| if t { 1.0 } else { -1.0 }),
             feedback_text: teacher.then(|| "fix it".into()),
@@ -920,6 +1136,17 @@ mod tests {
             top_k: 8,
             ..Default::default()
         }
+    }
+
+    fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
     }
 
     fn logprob_of(tr: &Trainer, ctx: &[u32], ans: &[u32]) -> f64 {
@@ -1021,6 +1248,137 @@ mod tests {
         assert!(gap(&tr) < g0, "student log-probs approach the teacher's");
     }
 
+    /// A character-per-token vocabulary for guided decoding with the tiny model (32 tokens; 31
+    /// is the end of turn) and a `response_format` over it.
+    fn guided() -> (TeacherDecoding, OJson, impl Fn(&[u32]) -> String) {
+        let chars = ['{', '}', '"', ':', ' ', ',', 'k', 'a', 'b', 'c'];
+        let vocab: Vec<Option<String>> = (0..32)
+            .map(|i| chars.get(i).map(|c| c.to_string()))
+            .collect();
+        let text = {
+            let vocab = vocab.clone();
+            move |ids: &[u32]| -> String {
+                ids.iter()
+                    .filter_map(|&i| vocab[i as usize].clone())
+                    .collect()
+            }
+        };
+        let rf: OJson = serde_json::from_str(
+            r#"{"type": "json_schema", "json_schema": {"name": "d", "schema": {"type": "object",
+                "properties": {"k": {"type": "string", "enum": ["a", "b", "c"]}}}}}"#,
+        )
+        .unwrap();
+        let dec = TeacherDecoding {
+            vocab: Arc::new(vocab),
+            end_of_turn: 31,
+        };
+        (dec, rf, text)
+    }
+
+    /// Token ids of `{"k": "<v>"}` in [`guided`]'s vocabulary, plus the end of turn.
+    fn guided_ids(v: char) -> Vec<u32> {
+        let v = match v {
+            'a' => 7,
+            'b' => 8,
+            _ => 9,
+        };
+        vec![0, 2, 6, 2, 3, 4, 2, v, 2, 1, 31]
+    }
+
+    #[test]
+    fn the_teacher_decodes_its_own_answer_under_the_grammar_with_its_logits() {
+        let mut tr = Trainer::new(model(), weights(0.0, 0.0, 1.0, 0.0), "p").unwrap();
+        let ex = example(3, false, true, None);
+        let tctx = ex.teacher_context_ids.clone().unwrap();
+        let (dec, rf, text) = guided();
+        assert!(
+            tr.teacher_answer(&tctx, Some(&rf)).is_err(),
+            "decoding without the vocabulary is an error, not a silent fallback"
+        );
+        tr.set_decoding(dec);
+        let own = tr.teacher_answer(&tctx, Some(&rf)).unwrap().unwrap();
+        assert_eq!(own.ids.last(), Some(&31), "closed with the end of turn");
+        let doc = text(&own.ids);
+        let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+        assert!(["a", "b", "c"].contains(&v["k"].as_str().unwrap()), "{doc}");
+        assert_eq!(doc.len() + 1, own.ids.len(), "{doc}: one char per token");
+        // The decoding's logits are the teacher's at the positions that predict the answer.
+        let full = tr
+            .answer_pass(&tctx, &own.ids, &AdapterSelection::All(tr.teacher()), false)
+            .unwrap()
+            .logits;
+        let diff = max_abs_diff(&full, &own.logits);
+        assert!(diff < 1e-3, "decode vs full-pass logits differ by {diff}");
+        // A limit too short to close the document falls back (None), it does not truncate.
+        tr.cfg.teacher_answer_max_tokens = 5;
+        assert!(tr.teacher_answer(&tctx, Some(&rf)).unwrap().is_none());
+    }
+
+    #[test]
+    fn distilling_on_the_teachers_answer_moves_the_student_to_it() {
+        let mut cfg = weights(0.0, 0.0, 1.0, 0.0);
+        cfg.distill_target = DistillTarget::Teacher;
+        cfg.divergence = Divergence::ForwardKl;
+        cfg.teacher_ema_rate = 0.0;
+        cfg.kl_penalty = 0.0;
+        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        let (dec, rf, text) = guided();
+        tr.set_decoding(dec);
+        let mut ex = example(4, false, true, None);
+        ex.answer_format = Some(rf.clone());
+        let tctx = ex.teacher_context_ids.clone().unwrap();
+        let own = tr.teacher_answer(&tctx, Some(&rf)).unwrap().unwrap().ids;
+        // The logged answer is a different decision than the teacher's.
+        let theirs = text(&own);
+        let other = ['a', 'b', 'c']
+            .into_iter()
+            .find(|c| !theirs.contains(&format!("\"{c}\"")))
+            .unwrap();
+        ex.answer_ids = guided_ids(other);
+        assert_ne!(ex.answer_ids, own);
+        let lp = |tr: &Trainer, ans: &[u32]| logprob_of(tr, &ex.context_ids, ans);
+        let (own0, logged0) = (lp(&tr, &own), lp(&tr, &ex.answer_ids));
+        for _ in 0..8 {
+            let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+            assert!(r.skipped.is_none(), "{r:?}");
+            assert_eq!(
+                r.teacher_answers,
+                Some(TeacherAnswerCounts {
+                    decoded: 1,
+                    changed: 1,
+                    fallback: 0
+                })
+            );
+        }
+        let (own1, logged1) = (lp(&tr, &own), lp(&tr, &ex.answer_ids));
+        assert!(
+            own1 > own0 + 0.5,
+            "log p(teacher's answer) {own0} -> {own1}"
+        );
+        // How much more likely the teacher finds its decision than the logged one, in
+        // hindsight; the student's preference moves to it (the two answers differ in one token).
+        let t_lp = |ans: &[u32]| {
+            tr.answer_pass(&tctx, ans, &AdapterSelection::All(tr.teacher()), false)
+                .unwrap()
+                .logprobs
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap() as f64
+        };
+        let teacher_pref = t_lp(&own) - t_lp(&ex.answer_ids);
+        let (miss0, miss1) = (
+            (own0 - logged0 - teacher_pref).abs(),
+            (own1 - logged1 - teacher_pref).abs(),
+        );
+        assert!(
+            miss1 < 0.5 * miss0,
+            "student preference {} -> {} vs the teacher's {teacher_pref}",
+            own0 - logged0,
+            own1 - logged1
+        );
+    }
+
     /// Sum of the answer's log-probs after `ctx` with the prompt's keys and values taken from
     /// `prefix_adapter` and the answer positions run under `tail_adapter` (no graph).
     fn split_logprob(
@@ -1088,14 +1446,7 @@ mod tests {
         let exact = pass(&tr);
         tr.cfg.prefix_grad = false;
         let detached = pass(&tr);
-        let diff = (exact.logits - &detached.logits)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = max_abs_diff(&exact.logits, &detached.logits);
         assert!(
             diff < 1e-4,
             "the KV-cached prompt changes the logits by {diff}"
@@ -1126,7 +1477,7 @@ mod tests {
         let frozen = tr.policy().snapshot("frozen", tr.model.config()).unwrap();
         let originals: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().copy().unwrap()).collect();
         let eps = 1e-2;
-        let mut at = |sign: f64| {
+        let at = |sign: f64| {
             for ((v, o), gv) in vars.iter().zip(&originals).zip(&g) {
                 let moved = match gv {
                     Some(gv) => (o + (gv * (sign * eps / norm)).unwrap()).unwrap(),

@@ -228,6 +228,7 @@ fn the_learner_sees_the_prompt_serve_built() {
                 tools: Some(request["tools"].clone()),
                 tool_choice: tool_choice.clone(),
                 model: Some("base".into()),
+                response_format: None,
             },
             answer: Some(json!({"role": "assistant", "content": "It was delivered."})),
             behaviour: None,
