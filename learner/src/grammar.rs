@@ -875,6 +875,27 @@ pub fn grammar_vocab(tokenizer: &Tokenizer, vocab_size: usize) -> Vec<Option<Str
         .collect()
 }
 
+/// The highest-scoring token that `allowed` admits (greedy guided decoding): the best 256 are
+/// checked in order first, the rest of the row only when none of them is allowed. `None` when
+/// no token is allowed at all.
+pub fn best_allowed(logits: &[f32], allowed: &dyn Fn(u32) -> bool) -> Option<u32> {
+    const FIRST_CUT: usize = 256;
+    let by_score = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = idx.len().min(FIRST_CUT);
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by_score);
+    }
+    idx[..k].sort_unstable_by(by_score);
+    idx[..k].iter().copied().find(|&i| allowed(i)).or_else(|| {
+        idx[k..]
+            .iter()
+            .copied()
+            .filter(|&i| allowed(i))
+            .max_by(|&a, &b| logits[a as usize].total_cmp(&logits[b as usize]))
+    })
+}
+
 /// Whether token `id` may follow in `state`: every character of its text must continue a valid
 /// document. The first character's successor state is memoised (most candidates share a few
 /// first characters).

@@ -19,7 +19,7 @@ use tracing::{debug, info_span, warn};
 
 use crate::error::{LearnerError, Result};
 use crate::example::TrainExample;
-use crate::grammar::{allowed_by_grammar, response_format_grammar, JsonState, OJson};
+use crate::grammar::{allowed_by_grammar, best_allowed, response_format_grammar, JsonState, OJson};
 use crate::lora::{Adapter, AdapterSelection, LoraConfig, LoraInit};
 use crate::model::{BatchLayout, KvCache, Model};
 use crate::objectives::{
@@ -496,6 +496,11 @@ impl Trainer {
         Ok(AnswerPass { logits, logprobs })
     }
 
+    /// The policy's training pass (tracked) over `answer` after `prefix`.
+    fn policy_pass(&self, prefix: &[u32], answer: &[u32]) -> Result<AnswerPass> {
+        self.answer_pass(prefix, answer, &AdapterSelection::All(&self.policy), true)
+    }
+
     /// Per-token cross-entropy of `answer` after `prefix` under the policy (tracked), through
     /// the fused LM-head cross-entropy (no `[n, V]` logits kept).
     fn sft_token_ce(&self, prefix: &[u32], answer: &[u32]) -> Result<Tensor> {
@@ -648,12 +653,7 @@ impl Trainer {
                 || w.dense > 0.0 && (ex.teacher_context_ids.is_some() || ex.reward.is_some())
                 || w.kto > 0.0 && ex.thumbs.is_some();
             if needs_student {
-                let student = self.answer_pass(
-                    &ex.context_ids,
-                    &ex.answer_ids,
-                    &AdapterSelection::All(&self.policy),
-                    true,
-                )?;
+                let student = self.policy_pass(&ex.context_ids, &ex.answer_ids)?;
                 report.tokens += ex.context_ids.len() + n;
                 let s_lp: Vec<f32> = student.logprobs.detach().to_vec1()?;
 
@@ -724,12 +724,7 @@ impl Trainer {
                     Some(a) if a.ids == ex.answer_ids => Some((student.logits.clone(), &a.logits)),
                     Some(a) => {
                         report.tokens += ex.context_ids.len() + a.ids.len();
-                        let pass = self.answer_pass(
-                            &ex.context_ids,
-                            &a.ids,
-                            &AdapterSelection::All(&self.policy),
-                            true,
-                        )?;
+                        let pass = self.policy_pass(&ex.context_ids, &a.ids)?;
                         Some((pass.logits, &a.logits))
                     }
                     None => None,
@@ -813,12 +808,7 @@ impl Trainer {
                 // A pure-SFT example measures its KL guard at the correction's positions, so its
                 // pass keeps the logits (`[n, V]`, a few MB); otherwise the fused cross-entropy.
                 let (ce, policy_logits) = if guard_here {
-                    let pass = self.answer_pass(
-                        &ex.context_ids,
-                        corr,
-                        &AdapterSelection::All(&self.policy),
-                        true,
-                    )?;
+                    let pass = self.policy_pass(&ex.context_ids, corr)?;
                     (pass.logprobs.neg()?, Some(pass.logits))
                 } else {
                     (self.sft_token_ce(&ex.context_ids, corr)?, None)
@@ -1002,25 +992,6 @@ impl Trainer {
 }
 
 /// Adds `t` to the running sum in `total`.
-/// The highest-scoring token `allowed` admits (the top 256 first, then the whole row).
-fn best_allowed(row: &[f32], allowed: &dyn Fn(u32) -> bool) -> Option<u32> {
-    const FIRST_CUT: usize = 256;
-    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
-    let by_score = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]);
-    if idx.len() > FIRST_CUT {
-        idx.select_nth_unstable_by(FIRST_CUT - 1, by_score);
-    }
-    let k = idx.len().min(FIRST_CUT);
-    idx[..k].sort_unstable_by(by_score);
-    idx[..k].iter().copied().find(|&i| allowed(i)).or_else(|| {
-        idx[k..]
-            .iter()
-            .copied()
-            .filter(|&i| allowed(i))
-            .max_by(|&a, &b| row[a as usize].total_cmp(&row[b as usize]))
-    })
-}
-
 fn push(total: &mut Option<Tensor>, t: Tensor) -> Result<()> {
     *total = Some(match total.take() {
         Some(acc) => (acc + t)?,

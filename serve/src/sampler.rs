@@ -1,6 +1,7 @@
 //! Picking the next token under temperature, top-p and a grammar constraint, and reporting the
 //! log-probability of the pick under exactly that (renormalised) distribution.
 
+use hindsight_learner::grammar::best_allowed;
 use rand::Rng;
 
 /// How to sample one sequence.
@@ -54,15 +55,7 @@ pub fn pick(
     let ok = |id: u32| allowed.is_none_or(|f| f(id));
     if params.temperature <= 0.0 {
         // Greedy: the best allowed token, probability 1 under the (deterministic) policy.
-        let scores: Vec<f64> = logits.iter().map(|&l| l as f64).collect();
-        let id = sorted_prefix(&scores, FIRST_CUT)
-            .into_iter()
-            .find(|&i| ok(i))
-            .or_else(|| {
-                (0..logits.len() as u32)
-                    .filter(|&i| ok(i))
-                    .max_by(|&a, &b| logits[a as usize].total_cmp(&logits[b as usize]))
-            })?;
+        let id = best_allowed(logits, &ok)?;
         let top = if params.top_logprobs > 0 {
             vec![(id, 0.0)]
         } else {
