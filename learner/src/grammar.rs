@@ -929,6 +929,88 @@ pub fn allowed_by_grammar<'a>(
     }
 }
 
+/// The members of a JSON object document, in document order: each key and the byte range of
+/// its value in `doc` (quotes included for strings). `None` when `doc` is not one JSON object
+/// (surrounding whitespace allowed). Lets the trainer tell which tokens of an answer belong to
+/// which decision and splice new values into an answer keeping its layout.
+pub fn object_value_spans(doc: &str) -> Option<Vec<(String, std::ops::Range<usize>)>> {
+    // Validated first, so the scan below only has to find boundaries in well-formed JSON.
+    if !serde_json::from_str::<Value>(doc).ok()?.is_object() {
+        return None;
+    }
+    let b = doc.as_bytes();
+    let ws = |mut i: usize| {
+        while b.get(i).is_some_and(u8::is_ascii_whitespace) {
+            i += 1;
+        }
+        i
+    };
+    // `b[i]` is an opening quote; the index after the closing one.
+    let string_end = |i: usize| {
+        let mut j = i + 1;
+        while j < b.len() {
+            match b[j] {
+                b'\\' => j += 2,
+                b'"' => return Some(j + 1),
+                _ => j += 1,
+            }
+        }
+        None
+    };
+    let value_end = |i: usize| match b.get(i)? {
+        b'"' => string_end(i),
+        b'{' | b'[' => {
+            let (mut j, mut depth) = (i, 0usize);
+            loop {
+                match b.get(j)? {
+                    b'"' => {
+                        j = string_end(j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            let mut j = i;
+            while b
+                .get(j)
+                .is_some_and(|c| !matches!(c, b',' | b'}' | b']') && !c.is_ascii_whitespace())
+            {
+                j += 1;
+            }
+            Some(j)
+        }
+    };
+    let mut i = ws(0) + 1; // past '{'
+    let mut out = Vec::new();
+    loop {
+        i = ws(i);
+        if b.get(i)? == &b'}' {
+            break;
+        }
+        let key_end = string_end(i)?;
+        let key: String = serde_json::from_str(&doc[i..key_end]).ok()?;
+        i = ws(ws(key_end) + 1); // past ':'
+        let end = value_end(i)?;
+        out.push((key, i..end));
+        i = ws(end);
+        match b.get(i)? {
+            b',' => i += 1,
+            _ => break, // '}'
+        }
+    }
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1038,5 +1120,65 @@ mod tests {
             .is_none());
         let e = response_format_grammar(&ordered(&json!({"type": "xml"}))).unwrap_err();
         assert!(e.0.contains("json_schema"), "{e}");
+    }
+
+    #[test]
+    fn object_value_spans_find_each_members_value() {
+        let doc = " {\"a\": \"x,}\\\"y\" , \"b\":{\"c\":[1,\"]\"]},\"d\":-1.5e3,\"e\":null}\n";
+        let spans = object_value_spans(doc).unwrap();
+        let got: Vec<(&str, &str)> = spans
+            .iter()
+            .map(|(k, r)| (k.as_str(), &doc[r.clone()]))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("a", "\"x,}\\\"y\""),
+                ("b", "{\"c\":[1,\"]\"]}"),
+                ("d", "-1.5e3"),
+                ("e", "null")
+            ]
+        );
+        assert_eq!(object_value_spans("{}"), Some(vec![]));
+        for not_an_object in ["[1]", "\"a\"", "{\"a\": 1", "{\"a\": 1} x", ""] {
+            assert_eq!(object_value_spans(not_an_object), None, "{not_an_object}");
+        }
+    }
+
+    mod spans_prop {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Any object, compact or pretty: every span parses back to its member's value.
+            #[test]
+            fn object_value_spans_round_trip(
+                members in proptest::collection::btree_map(
+                    "[a-z\"\\\\ ,:{}]{0,6}",
+                    prop_oneof![
+                        any::<i64>().prop_map(Value::from),
+                        "[a-z\"\\\\ ,:{}\\[\\]]{0,8}".prop_map(Value::from),
+                        any::<bool>().prop_map(Value::from),
+                        proptest::collection::vec(proptest::prelude::any::<i32>(), 0..3)
+                            .prop_map(|v| json!({"n": v})),
+                    ],
+                    0..5,
+                ),
+                pretty in any::<bool>(),
+            ) {
+                let obj = Value::Object(members.clone().into_iter().collect());
+                let doc = if pretty {
+                    serde_json::to_string_pretty(&obj).unwrap()
+                } else {
+                    obj.to_string()
+                };
+                let spans = object_value_spans(&doc).unwrap();
+                prop_assert_eq!(spans.len(), members.len());
+                for (key, range) in spans {
+                    let v: Value = serde_json::from_str(&doc[range]).unwrap();
+                    prop_assert_eq!(Some(&v), members.get(&key));
+                }
+            }
+        }
     }
 }
