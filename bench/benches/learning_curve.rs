@@ -15,8 +15,10 @@
 //! #   TEACHER_EMA=<rate>  (the teacher's EMA rate towards the policy; 0 = frozen base teacher)
 //! #   TRAIN_EVAL=0  (also score the first N training tickets at every point: fit vs generalization)
 //! #   DIVERGENCE=reverse_kl|forward_kl|jsd  (self-distillation's divergence; default: the learner's)
-//! #   DISTILL_TARGET=logged|teacher  (self-distillation on the logged answer, or on the answer
-//! #     the hindsight teacher decodes itself under the request's grammar)
+//! #   DISTILL_TARGET=logged|teacher|edit  (self-distillation on the logged answer, on the answer
+//! #     the hindsight teacher decodes itself under the request's grammar, or on the logged
+//! #     answer with the fields the feedback speaks against set to the teacher's values)
+//! #   TARGET_CE=0  (weight of cross-entropy on a teacher/edit target that differs from the logged answer)
 //! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
@@ -114,8 +116,9 @@ async fn main() -> anyhow::Result<()> {
         }
         if let Ok(t) = std::env::var("DISTILL_TARGET") {
             cfg.distill_target = serde_json::from_value(serde_json::Value::String(t.clone()))
-                .with_context(|| format!("DISTILL_TARGET={t}: logged or teacher"))?;
+                .with_context(|| format!("DISTILL_TARGET={t}: logged, teacher or edit"))?;
         }
+        cfg.target_ce_weight = env("TARGET_CE", cfg.target_ce_weight);
         if let Ok(p) = std::env::var("PLACEMENT") {
             cfg.placement = hindsight_eval::HindsightPlacement::from_str(&p, true)
                 .map_err(anyhow::Error::msg)

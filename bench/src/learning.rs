@@ -169,6 +169,10 @@ pub struct LearningConfig {
     /// result files lack it and ran on the logged answer).
     #[serde(default)]
     pub distill_target: DistillTarget,
+    /// Weight of cross-entropy on a distillation target that is not the logged answer (the
+    /// trainer's `target_ce_weight`; older result files lack it: 0).
+    #[serde(default)]
+    pub target_ce_weight: f64,
     /// Run the likelihood probe of learning beyond the prior ([`PriorProbe`]) at every point
     /// (about a second per probed ticket on this CPU).
     #[serde(default)]
@@ -219,8 +223,13 @@ impl LearningConfig {
             Some(Divergence::Jsd) => label.push_str(", JSD"),
             Some(Divergence::ReverseKl) | None => {}
         }
-        if self.distill_target == DistillTarget::Teacher {
-            label.push_str(", on the teacher's answer");
+        match self.distill_target {
+            DistillTarget::Teacher => label.push_str(", on the teacher's answer"),
+            DistillTarget::Edit => label.push_str(", on the teacher's edit"),
+            DistillTarget::Logged => {}
+        }
+        if self.target_ce_weight > 0.0 {
+            label.push_str(&format!(", target CE {}", self.target_ce_weight));
         }
         label
     }
@@ -250,6 +259,7 @@ impl LearningConfig {
             teacher_ema_rate: None,
             divergence: None,
             distill_target: DistillTarget::default(),
+            target_ce_weight: 0.0,
             prior_probe: true,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
@@ -726,6 +736,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         learner_cfg.trainer.divergence = divergence;
     }
     learner_cfg.trainer.distill_target = cfg.distill_target;
+    learner_cfg.trainer.target_ce_weight = cfg.target_ce_weight;
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
     let setup = LearnerSetup {
@@ -1092,5 +1103,10 @@ mod tests {
             .ends_with("frozen teacher, 100% of wrong answers corrected, forward KL"));
         cfg.distill_target = DistillTarget::Teacher;
         assert!(cfg.label().ends_with("forward KL, on the teacher's answer"));
+        cfg.distill_target = DistillTarget::Edit;
+        cfg.target_ce_weight = 1.0;
+        assert!(cfg
+            .label()
+            .ends_with("forward KL, on the teacher's edit, target CE 1"));
     }
 }

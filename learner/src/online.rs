@@ -465,7 +465,7 @@ pub async fn run_learner(
         }
         None => Trainer::new(model.clone(), cfg.trainer.clone(), &cfg.adapter_name)?,
     };
-    if cfg.trainer.distill_target == DistillTarget::Teacher {
+    if cfg.trainer.distill_target != DistillTarget::Logged {
         // The teacher decodes its own answers under the logged requests' grammars.
         trainer.set_decoding(TeacherDecoding {
             vocab: Arc::new(grammar_vocab(&tokenizer, model_cfg.vocab_size)),
@@ -987,14 +987,16 @@ fn record_metrics(r: &StepReport) {
         metrics::gauge!("hindsight_learner_ratio_clip_fraction").set(v);
     }
     if let Some(c) = r.teacher_answers {
-        // Outcome of the teacher's own answers (`distill_target = teacher`).
+        // Outcome of the teacher's own answers (`distill_target = teacher | edit`).
         let counter = |outcome: &'static str, n: usize| {
             metrics::counter!("hindsight_learner_teacher_answers_total", "outcome" => outcome)
                 .increment(n as u64)
         };
         counter("changed", c.changed);
-        counter("kept", c.decoded - c.changed - c.fallback);
+        counter("kept", c.decoded.saturating_sub(c.changed + c.fallback));
         counter("fallback", c.fallback);
+        metrics::counter!("hindsight_learner_teacher_edited_fields_total")
+            .increment(c.edited_fields as u64);
     }
 }
 

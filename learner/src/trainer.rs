@@ -19,7 +19,9 @@ use tracing::{debug, info_span, warn};
 
 use crate::error::{LearnerError, Result};
 use crate::example::TrainExample;
-use crate::grammar::{allowed_by_grammar, best_allowed, response_format_grammar, JsonState, OJson};
+use crate::grammar::{
+    allowed_by_grammar, best_allowed, object_value_spans, response_format_grammar, JsonState, OJson,
+};
 use crate::lora::{Adapter, AdapterSelection, LoraConfig, LoraInit};
 use crate::model::{BatchLayout, KvCache, Model};
 use crate::objectives::{
@@ -117,10 +119,21 @@ pub struct TrainerConfig {
     /// Which answer self-distillation compares teacher and student on.
     #[serde(default)]
     pub distill_target: DistillTarget,
-    /// Longest answer the teacher may decode with [`DistillTarget::Teacher`] (an answer that
-    /// does not end within it falls back to the logged answer).
+    /// Longest answer the teacher may decode with [`DistillTarget::Teacher`] or
+    /// [`DistillTarget::Edit`] (an answer that does not end within it falls back to the logged
+    /// answer).
     #[serde(default = "default_teacher_answer_max_tokens")]
     pub teacher_answer_max_tokens: usize,
+    /// [`DistillTarget::Edit`]: how far (nats, summed over the value's tokens) the feedback
+    /// must lower the log-probability of a logged field's value — teacher (shown the feedback)
+    /// minus student — for the teacher's own value to replace it.
+    #[serde(default = "default_edit_margin_nats")]
+    pub edit_margin_nats: f64,
+    /// Weight of a cross-entropy term on the distillation target's tokens when the target is
+    /// not the logged answer (the teacher's answer or edit): sequence-level distillation with
+    /// hard targets, next to the per-token divergence. 0 = off.
+    #[serde(default)]
+    pub target_ce_weight: f64,
 }
 
 /// The answer on which self-distillation reads the teacher's and the student's next-token
@@ -138,10 +151,26 @@ pub enum DistillTarget {
     /// (sequence-level knowledge distillation, Kim & Rush 2016, with a hindsight teacher). When
     /// the teacher's answer equals the logged one this is the same as `logged`.
     Teacher,
+    /// The logged answer with only the decisions the feedback speaks against changed to the
+    /// teacher's. For a JSON-object answer, a field is changed when the feedback lowers the
+    /// log-probability of its logged value by more than `edit_margin_nats` (teacher shown the
+    /// feedback minus student, summed over the value's tokens); its new value is the one in
+    /// the teacher's own greedy answer (decoded as with `teacher`). Fields the feedback does
+    /// not speak against keep the logged value, so the teacher's prior does not replace them.
+    /// The edited answer is laid out as the logged one and tokenized by the teacher (its most
+    /// likely token at each step among those that continue the text). Answers that are not
+    /// JSON objects, or that no field of is changed, are distilled on as logged. The refined
+    /// answer of learning from language feedback (Scheurer et al. 2023), made by the model's
+    /// own hindsight teacher.
+    Edit,
 }
 
 fn default_teacher_answer_max_tokens() -> usize {
     256
+}
+
+fn default_edit_margin_nats() -> f64 {
+    0.5
 }
 
 fn default_prefix_grad() -> bool {
@@ -206,6 +235,8 @@ impl Default for TrainerConfig {
             prefix_grad: default_prefix_grad(),
             distill_target: DistillTarget::default(),
             teacher_answer_max_tokens: default_teacher_answer_max_tokens(),
+            edit_margin_nats: default_edit_margin_nats(),
+            target_ce_weight: 0.0,
         }
     }
 }
@@ -239,6 +270,12 @@ impl TrainerConfig {
         }
         if self.teacher_answer_max_tokens == 0 {
             return Err(bad("teacher_answer_max_tokens must be >= 1"));
+        }
+        if !(self.edit_margin_nats.is_finite() && self.edit_margin_nats >= 0.0) {
+            return Err(bad("edit_margin_nats must be a finite number >= 0"));
+        }
+        if !(self.target_ce_weight.is_finite() && self.target_ce_weight >= 0.0) {
+            return Err(bad("target_ce_weight must be a finite number >= 0"));
         }
         Ok(())
     }
@@ -274,10 +311,10 @@ pub struct StepReport {
     pub advantage_std: Option<f64>,
     /// Share of tokens whose importance ratio was clipped.
     pub clip_fraction: Option<f64>,
-    /// With [`DistillTarget::Teacher`]: examples whose teacher answer was decoded, and of those
-    /// the ones where it differs from the logged answer (the teacher changed its mind in
-    /// hindsight) and the ones that did not finish within the token limit (distilled on the
-    /// logged answer instead).
+    /// With [`DistillTarget::Teacher`] or [`DistillTarget::Edit`]: examples whose teacher
+    /// answer was decoded, and of those the ones where the target differs from the logged
+    /// answer (the teacher changed its mind in hindsight) and the ones that did not finish
+    /// within the token limit (distilled on the logged answer instead).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub teacher_answers: Option<TeacherAnswerCounts>,
     /// Gradient norm before clipping.
@@ -288,16 +325,21 @@ pub struct StepReport {
     pub duration_ms: u64,
 }
 
-/// What the hindsight teacher's decoded answers were, per step ([`DistillTarget::Teacher`]).
+/// What the hindsight teacher's decoded answers were, per step ([`DistillTarget::Teacher`],
+/// [`DistillTarget::Edit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct TeacherAnswerCounts {
-    /// Answers decoded.
+    /// Answers decoded (with `edit`: only for answers with a field the feedback speaks
+    /// against).
     pub decoded: usize,
-    /// Answers that differ from the logged answer.
+    /// Targets that differ from the logged answer.
     pub changed: usize,
     /// Answers cut at `teacher_answer_max_tokens` or with an invalid `response_format`
     /// (distilled on the logged answer instead).
     pub fallback: usize,
+    /// With `edit`: fields whose value was replaced by the teacher's.
+    #[serde(default)]
+    pub edited_fields: usize,
 }
 
 /// Tokens the teacher needs to decode its own answer: the text of every token (for the
@@ -514,30 +556,26 @@ impl Trainer {
         )?)
     }
 
-    /// The teacher's own answer after `tctx`: greedy, under the grammar of `format` when given
-    /// (then closed with the end-of-turn token), else until the end-of-turn token. Returns the
-    /// answer and the teacher's logits at the positions that predict it (the decoding's own
-    /// forward passes), or `None` when it does not finish within the token limit.
-    fn teacher_answer(
+    /// The decoding vocabulary, or an error naming what sets it.
+    fn decoding(&self) -> Result<&TeacherDecoding> {
+        self.decoding.as_ref().ok_or_else(|| {
+            LearnerError::InvalidArgument(
+                "distill_target = teacher | edit needs the tokenizer's vocabulary (Trainer::set_decoding)"
+                    .into(),
+            )
+        })
+    }
+
+    /// Decodes after `tctx` with the teacher (KV cache): `next` picks each token from the
+    /// teacher's logits (`None`: give up). Ends at the end-of-turn token; `None` when `next`
+    /// gives up or the answer does not end within `teacher_answer_max_tokens`. Returns the
+    /// tokens and the teacher's logits at the positions that predict them.
+    fn teacher_decode(
         &self,
         tctx: &[u32],
-        format: Option<&OJson>,
+        end_of_turn: u32,
+        mut next: impl FnMut(&[f32]) -> Option<u32>,
     ) -> Result<Option<TeacherAnswer>> {
-        let Some(dec) = &self.decoding else {
-            return Err(LearnerError::InvalidArgument(
-                "distill_target = teacher needs the tokenizer's vocabulary (Trainer::set_decoding)"
-                    .into(),
-            ));
-        };
-        let grammar = match format.map(response_format_grammar) {
-            Some(Ok(g)) => g,
-            Some(Err(e)) => {
-                debug!(error = %e, "Unusable response_format; the teacher's answer falls back to the logged one.");
-                return Ok(None);
-            }
-            None => None,
-        };
-        let mut state = grammar.as_ref().map(JsonState::new);
         let dev = self.model.device();
         let adapters = AdapterSelection::All(&self.teacher);
         let mut cache = KvCache::new();
@@ -550,43 +588,168 @@ impl Trainer {
                 .forward_last(&input, &layout, Some(&mut cache), &adapters)?;
             let row: Vec<f32> = logits.squeeze(0)?.to_vec1()?;
             rows.push(logits);
-            if state.as_ref().is_some_and(JsonState::finished) {
-                ids.push(dec.end_of_turn);
-                break;
-            }
-            let id = match &mut state {
-                Some(st) => {
-                    let allowed = allowed_by_grammar(st, &dec.vocab);
-                    let Some(id) = best_allowed(&row, &allowed) else {
-                        return Ok(None);
-                    };
-                    let text = dec
-                        .vocab
-                        .get(id as usize)
-                        .cloned()
-                        .flatten()
-                        .unwrap_or_default();
-                    if !st.feed_str(&text) {
-                        return Ok(None);
-                    }
-                    id
-                }
-                None => best_allowed(&row, &|_| true).unwrap_or(dec.end_of_turn),
+            let Some(id) = next(&row) else {
+                return Ok(None);
             };
             ids.push(id);
-            if id == dec.end_of_turn {
-                break;
+            if id == end_of_turn {
+                return Ok(Some(TeacherAnswer {
+                    logits: Tensor::cat(&rows, 0)?,
+                    ids,
+                }));
             }
             input = Tensor::from_slice(&[id], (1, 1), dev)?;
             layout = BatchLayout::dense(1, 1, cache.len());
         }
-        if ids.last() != Some(&dec.end_of_turn) {
+        Ok(None)
+    }
+
+    /// The teacher's own answer after `tctx`: greedy, under the grammar of `format` when given
+    /// (then closed with the end-of-turn token), else until the end-of-turn token. Returns the
+    /// answer and the teacher's logits at the positions that predict it (the decoding's own
+    /// forward passes), or `None` when it does not finish within the token limit.
+    fn teacher_answer(
+        &self,
+        tctx: &[u32],
+        format: Option<&OJson>,
+    ) -> Result<Option<TeacherAnswer>> {
+        let dec = self.decoding()?;
+        let grammar = match format.map(response_format_grammar) {
+            Some(Ok(g)) => g,
+            Some(Err(e)) => {
+                debug!(error = %e, "Unusable response_format; the teacher's answer falls back to the logged one.");
+                return Ok(None);
+            }
+            None => None,
+        };
+        let mut state = grammar.as_ref().map(JsonState::new);
+        self.teacher_decode(tctx, dec.end_of_turn, |row| match &mut state {
+            Some(st) if st.finished() => Some(dec.end_of_turn),
+            Some(st) => {
+                let id = best_allowed(row, &allowed_by_grammar(st, &dec.vocab))?;
+                let text = dec.vocab.get(id as usize)?.as_deref()?;
+                st.feed_str(text).then_some(id)
+            }
+            None => Some(best_allowed(row, &|_| true).unwrap_or(dec.end_of_turn)),
+        })
+    }
+
+    /// `text` as the teacher would write it after `tctx`: at each step the teacher's most
+    /// likely token among those whose text continues `text`, then the end-of-turn token. The
+    /// tokens and the teacher's logits that predict them; `None` if some character has no
+    /// token or the text does not fit the token limit.
+    fn teacher_spells(&self, tctx: &[u32], text: &str) -> Result<Option<TeacherAnswer>> {
+        let dec = self.decoding()?;
+        let mut rest = text;
+        self.teacher_decode(tctx, dec.end_of_turn, |row| {
+            if rest.is_empty() {
+                return Some(dec.end_of_turn);
+            }
+            let piece = |id: u32| dec.vocab.get(id as usize).and_then(|t| t.as_deref());
+            let id = best_allowed(row, &|id| {
+                piece(id).is_some_and(|t| !t.is_empty() && rest.starts_with(t))
+            })?;
+            rest = &rest[piece(id)?.len()..];
+            Some(id)
+        })
+    }
+
+    /// [`DistillTarget::Edit`]: the logged answer with the fields the feedback speaks against
+    /// given the teacher's values (see the variant). `t_lp`/`s_lp` are the teacher's and the
+    /// student's log-probs of the logged tokens. `None`: distil on the logged answer.
+    fn teacher_edit(
+        &self,
+        tctx: &[u32],
+        ex: &TrainExample,
+        t_lp: &[f32],
+        s_lp: &[f32],
+        counts: &mut TeacherAnswerCounts,
+    ) -> Result<Option<TeacherAnswer>> {
+        let dec = self.decoding()?;
+        let piece = |id: u32| {
+            if id == dec.end_of_turn {
+                ""
+            } else {
+                dec.vocab
+                    .get(id as usize)
+                    .and_then(|t| t.as_deref())
+                    .unwrap_or("")
+            }
+        };
+        // The logged answer's text and each token's byte range in it.
+        let mut logged = String::new();
+        let mut token_spans = Vec::with_capacity(ex.answer_ids.len());
+        for &id in &ex.answer_ids {
+            let start = logged.len();
+            logged.push_str(piece(id));
+            token_spans.push(start..logged.len());
+        }
+        let Some(fields) = object_value_spans(&logged) else {
+            return Ok(None);
+        };
+        let shifts: Vec<f64> = fields
+            .iter()
+            .map(|(_, value)| {
+                token_spans
+                    .iter()
+                    .zip(t_lp.iter().zip(s_lp))
+                    .filter(|(tok, _)| tok.start < value.end && tok.end > value.start)
+                    .map(|(_, (t, s))| f64::from(*t) - f64::from(*s))
+                    .sum()
+            })
+            .collect();
+        debug!(
+            record = %ex.record_id,
+            logged = %logged,
+            shifts = ?fields.iter().map(|(k, _)| k.as_str()).zip(&shifts).collect::<Vec<_>>(),
+            feedback = ex.feedback_text.as_deref().unwrap_or(""),
+            "How the feedback shifts each logged field (teacher minus student, nats)."
+        );
+        let against: Vec<&(String, std::ops::Range<usize>)> = fields
+            .iter()
+            .zip(&shifts)
+            .filter(|(_, shift)| **shift < -self.cfg.edit_margin_nats)
+            .map(|(field, _)| field)
+            .collect();
+        if against.is_empty() {
             return Ok(None);
         }
-        Ok(Some(TeacherAnswer {
-            logits: Tensor::cat(&rows, 0)?,
-            ids,
-        }))
+        counts.decoded += 1;
+        let Some(own) = self.teacher_answer(tctx, ex.answer_format.as_ref())? else {
+            counts.fallback += 1;
+            return Ok(None);
+        };
+        let own_text: String = own.ids.iter().map(|&id| piece(id)).collect();
+        let Some(own_fields) = object_value_spans(&own_text) else {
+            counts.fallback += 1;
+            return Ok(None);
+        };
+        let (mut target, mut at, mut edited) = (String::new(), 0, 0);
+        for (key, value) in against {
+            let Some((_, own_value)) = own_fields.iter().find(|(k, _)| k == key) else {
+                continue;
+            };
+            let new = &own_text[own_value.clone()];
+            if new == &logged[value.clone()] {
+                continue;
+            }
+            target.push_str(&logged[at..value.start]);
+            target.push_str(new);
+            at = value.end;
+            edited += 1;
+        }
+        if edited == 0 {
+            return Ok(None);
+        }
+        target.push_str(&logged[at..]);
+        debug!(record = %ex.record_id, edited = %target, "The teacher's edit of the logged answer.");
+        let Some(spelled) = self.teacher_spells(tctx, &target)? else {
+            counts.fallback += 1;
+            return Ok(None);
+        };
+        counts.changed += 1;
+        counts.edited_fields += edited;
+        Ok(Some(spelled))
     }
 
     /// One optimizer step on `batch`. A step refused by a guard leaves the weights untouched
@@ -684,11 +847,22 @@ impl Trainer {
                     }
                 }
 
-                // With `distill_target = teacher` the teacher first decodes its own answer.
+                // Teacher: the EMA policy shown the feedback, on the same answer tokens. With
+                // `distill_target = teacher` the teacher first decodes its own answer (and this
+                // pass is only needed when that fails or for dense rewards); with `edit` this
+                // pass says which fields the feedback speaks against.
+                let target = self.cfg.distill_target;
+                let teacher_pass = |tr: &Self| -> Result<AnswerPass> {
+                    tr.answer_pass(
+                        ex.teacher_context_ids.as_deref().unwrap_or_default(),
+                        &ex.answer_ids,
+                        &AdapterSelection::All(&tr.teacher),
+                        false,
+                    )
+                };
+                let mut teacher = None;
                 let own = match &ex.teacher_context_ids {
-                    Some(tctx)
-                        if w.distill > 0.0 && self.cfg.distill_target == DistillTarget::Teacher =>
-                    {
+                    Some(tctx) if w.distill > 0.0 && target == DistillTarget::Teacher => {
                         let own = self.teacher_answer(tctx, ex.answer_format.as_ref())?;
                         let c = teacher_counts.get_or_insert_with(Default::default);
                         c.decoded += 1;
@@ -701,30 +875,40 @@ impl Trainer {
                         }
                         own
                     }
-                    _ => None,
-                };
-
-                // Teacher: the EMA policy shown the feedback, on the same answer tokens.
-                let teacher = match &ex.teacher_context_ids {
-                    Some(tctx) if w.dense > 0.0 || w.distill > 0.0 && own.is_none() => {
+                    Some(tctx) if w.distill > 0.0 && target == DistillTarget::Edit => {
                         report.tokens += tctx.len() + n;
-                        Some(self.answer_pass(
-                            tctx,
-                            &ex.answer_ids,
-                            &AdapterSelection::All(&self.teacher),
-                            false,
-                        )?)
+                        let t = teacher.insert(teacher_pass(self)?);
+                        let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
+                        let c = teacher_counts.get_or_insert_with(Default::default);
+                        let own = self.teacher_edit(tctx, ex, &t_lp, &s_lp, c)?;
+                        if let Some(a) = &own {
+                            report.tokens += 2 * (tctx.len() + a.ids.len());
+                        }
+                        own
                     }
                     _ => None,
                 };
+                if teacher.is_none()
+                    && ex.teacher_context_ids.is_some()
+                    && (w.dense > 0.0 || w.distill > 0.0 && own.is_none())
+                {
+                    report.tokens += ex.teacher_context_ids.as_ref().map_or(0, Vec::len) + n;
+                    teacher = Some(teacher_pass(self)?);
+                }
 
-                // Distillation on the teacher's own answer (a second student pass unless the
-                // teacher agrees with the logged answer) or on the logged one.
+                // Distillation on the teacher's own answer or edit (a second student pass unless
+                // it is the logged answer) or on the logged one. A target that is not the logged
+                // answer may also be learned as hard targets (`target_ce_weight`).
                 let on_own = match &own {
                     Some(a) if a.ids == ex.answer_ids => Some((student.logits.clone(), &a.logits)),
                     Some(a) => {
                         report.tokens += ex.context_ids.len() + a.ids.len();
                         let pass = self.policy_pass(&ex.context_ids, &a.ids)?;
+                        if self.cfg.target_ce_weight > 0.0 && w.distill > 0.0 {
+                            let ce = mean(&pass.logprobs.neg()?)?;
+                            note("target_ce", ce.to_scalar::<f32>()? as f64);
+                            push(&mut total, (ce * self.cfg.target_ce_weight)?)?;
+                        }
                         Some((pass.logits, &a.logits))
                     }
                     None => None,
@@ -1219,6 +1403,13 @@ mod tests {
         assert!(gap(&tr) < g0, "student log-probs approach the teacher's");
     }
 
+    /// The text of `ids` in a test vocabulary (tokens without text dropped).
+    fn text_of(vocab: &[Option<String>], ids: &[u32]) -> String {
+        ids.iter()
+            .filter_map(|&i| vocab[i as usize].clone())
+            .collect()
+    }
+
     /// A character-per-token vocabulary for guided decoding with the tiny model (32 tokens; 31
     /// is the end of turn) and a `response_format` over it.
     fn guided() -> (TeacherDecoding, OJson, impl Fn(&[u32]) -> String) {
@@ -1228,11 +1419,7 @@ mod tests {
             .collect();
         let text = {
             let vocab = vocab.clone();
-            move |ids: &[u32]| -> String {
-                ids.iter()
-                    .filter_map(|&i| vocab[i as usize].clone())
-                    .collect()
-            }
+            move |ids: &[u32]| text_of(&vocab, ids)
         };
         let rf: OJson = serde_json::from_str(
             r#"{"type": "json_schema", "json_schema": {"name": "d", "schema": {"type": "object",
@@ -1285,14 +1472,19 @@ mod tests {
         assert!(tr.teacher_answer(&tctx, Some(&rf)).unwrap().is_none());
     }
 
-    #[test]
-    fn distilling_on_the_teachers_answer_moves_the_student_to_it() {
+    /// Distillation alone on `target`, forward KL, frozen teacher, no KL guard.
+    fn distill_on(target: DistillTarget) -> TrainerConfig {
         let mut cfg = weights(0.0, 0.0, 1.0, 0.0);
-        cfg.distill_target = DistillTarget::Teacher;
+        cfg.distill_target = target;
         cfg.divergence = Divergence::ForwardKl;
         cfg.teacher_ema_rate = 0.0;
         cfg.kl_penalty = 0.0;
-        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        cfg
+    }
+
+    #[test]
+    fn distilling_on_the_teachers_answer_moves_the_student_to_it() {
+        let mut tr = Trainer::new(model(), distill_on(DistillTarget::Teacher), "p").unwrap();
         let (dec, rf, text) = guided();
         tr.set_decoding(dec);
         let mut ex = example(4, false, true, None);
@@ -1317,7 +1509,8 @@ mod tests {
                 Some(TeacherAnswerCounts {
                     decoded: 1,
                     changed: 1,
-                    fallback: 0
+                    fallback: 0,
+                    edited_fields: 0
                 })
             );
         }
@@ -1348,6 +1541,160 @@ mod tests {
             own0 - logged0,
             own1 - logged1
         );
+    }
+
+    /// [`guided`]'s vocabulary plus `j` (token 10) and a two-field `response_format`
+    /// (`{"j": a|b|c, "k": a|b|c}`), with a function from text to token ids.
+    fn guided_pair() -> (TeacherDecoding, OJson, impl Fn(&str) -> Vec<u32>) {
+        let (mut dec, _, _) = guided();
+        let mut vocab = (*dec.vocab).clone();
+        vocab[10] = Some("j".into());
+        dec.vocab = Arc::new(vocab.clone());
+        let rf: OJson = serde_json::from_str(
+            r#"{"type": "json_schema", "json_schema": {"name": "d", "schema": {"type": "object",
+                "properties": {"j": {"type": "string", "enum": ["a", "b", "c"]},
+                               "k": {"type": "string", "enum": ["a", "b", "c"]}}}}}"#,
+        )
+        .unwrap();
+        let ids = move |text: &str| -> Vec<u32> {
+            text.chars()
+                .map(|c| {
+                    vocab
+                        .iter()
+                        .position(|v| v.as_deref() == Some(c.to_string().as_str()))
+                        .unwrap() as u32
+                })
+                .chain([31])
+                .collect()
+        };
+        (dec, rf, ids)
+    }
+
+    #[test]
+    fn the_teacher_spells_a_given_text_with_its_logits() {
+        let mut tr = Trainer::new(model(), weights(0.0, 0.0, 1.0, 0.0), "p").unwrap();
+        let (dec, _, ids) = guided_pair();
+        tr.set_decoding(dec);
+        let tctx = example(1, false, true, None).teacher_context_ids.unwrap();
+        let text = r#"{"j": "c", "k": "a"}"#;
+        let spelled = tr.teacher_spells(&tctx, text).unwrap().unwrap();
+        assert_eq!(
+            spelled.ids,
+            ids(text),
+            "one char per token, then the end of turn"
+        );
+        let full = tr
+            .answer_pass(
+                &tctx,
+                &spelled.ids,
+                &AdapterSelection::All(tr.teacher()),
+                false,
+            )
+            .unwrap()
+            .logits;
+        let diff = max_abs_diff(&full, &spelled.logits);
+        assert!(diff < 1e-3, "spelling vs full-pass logits differ by {diff}");
+        assert!(
+            tr.teacher_spells(&tctx, "{x}").unwrap().is_none(),
+            "a character without a token gives up"
+        );
+    }
+
+    #[test]
+    fn the_teachers_edit_changes_only_the_fields_the_feedback_speaks_against() {
+        let mut cfg = weights(0.0, 0.0, 1.0, 0.0);
+        cfg.distill_target = DistillTarget::Edit;
+        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        let (dec, rf, ids) = guided_pair();
+        let vocab = dec.vocab.clone();
+        let text = move |ids: &[u32]| text_of(&vocab, ids);
+        tr.set_decoding(dec);
+        let mut ex = example(2, false, true, None);
+        ex.answer_format = Some(rf.clone());
+        let tctx = ex.teacher_context_ids.clone().unwrap();
+        // The teacher's own answer; the logged one disagrees with it on both fields.
+        let own = text(&tr.teacher_answer(&tctx, Some(&rf)).unwrap().unwrap().ids);
+        let own: serde_json::Value = serde_json::from_str(&own).unwrap();
+        let other = |f: &str| ["a", "b", "c"].into_iter().find(|v| own[f] != *v).unwrap();
+        let logged = format!(r#"{{"j": "{}", "k": "{}"}}"#, other("j"), other("k"));
+        ex.answer_ids = ids(&logged);
+        let n = ex.answer_ids.len();
+        // The feedback lowers the logged `j` value by 1 nat (its letter is token 7 of
+        // `{"j": "x", …`) and leaves `k` alone.
+        let s_lp = vec![-1.0f32; n];
+        let mut t_lp = s_lp.clone();
+        t_lp[7] -= 1.0;
+        let mut counts = TeacherAnswerCounts::default();
+        let edit = tr
+            .teacher_edit(&tctx, &ex, &t_lp, &s_lp, &mut counts)
+            .unwrap()
+            .unwrap();
+        let edited: serde_json::Value = serde_json::from_str(&text(&edit.ids)).unwrap();
+        assert_eq!(
+            edited["j"], own["j"],
+            "the field spoken against takes the teacher's value"
+        );
+        assert_eq!(
+            edited["k"],
+            other("k"),
+            "the other keeps the logged value, not the teacher's"
+        );
+        assert_eq!(
+            text(&edit.ids),
+            logged.replacen(other("j"), own["j"].as_str().unwrap(), 1),
+            "laid out as the logged answer"
+        );
+        assert_eq!(edit.ids.last(), Some(&31));
+        assert_eq!(
+            counts,
+            TeacherAnswerCounts {
+                decoded: 1,
+                changed: 1,
+                fallback: 0,
+                edited_fields: 1
+            }
+        );
+        // Within the margin: nothing is decoded, the logged answer stays the target.
+        t_lp[7] = s_lp[7] - 0.4;
+        let mut counts = TeacherAnswerCounts::default();
+        assert!(tr
+            .teacher_edit(&tctx, &ex, &t_lp, &s_lp, &mut counts)
+            .unwrap()
+            .is_none());
+        assert_eq!(counts, TeacherAnswerCounts::default());
+        // An answer that is not a JSON object is not edited.
+        ex.answer_ids = ids("abc");
+        let short = vec![-2.0f32; ex.answer_ids.len()];
+        assert!(tr
+            .teacher_edit(&tctx, &ex, &short, &s_lp[..4], &mut counts)
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn a_step_on_the_teachers_edit_learns_it_with_hard_targets_too() {
+        let mut cfg = distill_on(DistillTarget::Edit);
+        cfg.edit_margin_nats = 0.0;
+        cfg.target_ce_weight = 1.0;
+        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        let (dec, rf, ids) = guided_pair();
+        tr.set_decoding(dec);
+        // Logged answers on every combination of values: with margin 0 some field of some
+        // answer is always spoken against (the teacher's context differs from the student's).
+        let mut changed = 0;
+        for (j, k) in [("a", "a"), ("b", "c"), ("c", "b"), ("a", "c"), ("c", "a")] {
+            let mut ex = example(3, false, true, None);
+            ex.answer_format = Some(rf.clone());
+            ex.answer_ids = ids(&format!(r#"{{"j": "{j}", "k": "{k}"}}"#));
+            let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+            assert!(r.skipped.is_none(), "{r:?}");
+            let c = r.teacher_answers.unwrap();
+            assert_eq!(c.fallback, 0);
+            assert!(r.terms.contains_key("distill"));
+            assert_eq!(r.terms.contains_key("target_ce"), c.changed == 1, "{r:?}");
+            changed += c.changed;
+        }
+        assert!(changed > 0, "some logged answer was edited");
     }
 
     /// Sum of the answer's log-probs after `ctx` with the prompt's keys and values taken from
