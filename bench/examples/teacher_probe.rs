@@ -70,6 +70,9 @@ fn main() -> anyhow::Result<()> {
     let mut p_sum = vec![0.0f64; placements.len() + 1];
     let mut hits = vec![0usize; placements.len() + 1];
     let mut positions = 0usize;
+    // Teacher (UserNote) minus student log p of the logged value's first token, by whether
+    // the logged value was right: what `distill_target = "edit"` thresholds on.
+    let (mut gaps_right, mut gaps_wrong): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
     let mut rng = Rng::new(7);
     for ticket in world.tickets(Split::Train, n) {
         let res = resolve(&ticket);
@@ -92,12 +95,15 @@ fn main() -> anyhow::Result<()> {
             let m = hindsight_messages(p, &msgs, &answer_text, &fb);
             contexts.push(template.render_chat(&m, &[])?);
         }
-        // The wrong fields: priority and refund (department is logged correct).
+        // Every field: the wrong ones feed the table, and for all of them the teacher's change
+        // of log p(logged value's first token) is recorded by whether the field was right.
         let expected = d.to_json();
-        for (field, wrong) in [("priority", json!("low")), ("refund", json!("none"))] {
-            if expected[field] == wrong {
-                continue;
-            }
+        for (field, wrong) in [
+            ("department", json!(d.department)),
+            ("priority", json!("low")),
+            ("refund", json!("none")),
+        ] {
+            let right = expected[field] == wrong;
             // The prefix ends where the value's first token starts: after the opening quote of
             // a string value (`"priority":"` + `normal`), after the colon otherwise.
             let quote = usize::from(expected[field].is_string());
@@ -122,6 +128,15 @@ fn main() -> anyhow::Result<()> {
                         .then(|| with[without.len()]),
                 )
             };
+            if right {
+                let Some(w) = first(&wrong_text)? else {
+                    continue;
+                };
+                let s = next_logprobs(&bundle, &format!("{}{prefix}", contexts[0]))?;
+                let t = next_logprobs(&bundle, &format!("{}{prefix}", contexts[2]))?;
+                gaps_right.push(t[w as usize] - s[w as usize]);
+                continue;
+            }
             let (Some(c), Some(w)) = (first(&correct)?, first(&wrong_text)?) else {
                 eprintln!(
                     "{} {field}: token boundary merges; skipped",
@@ -140,6 +155,10 @@ fn main() -> anyhow::Result<()> {
                     .map(|(i, _)| i as u32);
                 if argmax == Some(c) {
                     hits[i] += 1;
+                }
+                if i == 2 {
+                    let s = next_logprobs(&bundle, &format!("{}{prefix}", contexts[0]))?;
+                    gaps_wrong.push(lp[w as usize] - s[w as usize]);
                 }
                 if i == 0 {
                     eprint!(
@@ -172,6 +191,17 @@ fn main() -> anyhow::Result<()> {
             p_sum[i] / positions.max(1) as f64,
             hits[i],
             positions
+        );
+    }
+    for (name, mut g) in [("right", gaps_right), ("wrong", gaps_wrong)] {
+        g.sort_by(f32::total_cmp);
+        let q = |f: f64| {
+            g.get(((g.len().max(1) - 1) as f64 * f).round() as usize)
+                .copied()
+        };
+        println!(
+            "log p(logged value) teacher(UserNote) - student, {name} fields: n={} min {:?} q25 {:?} median {:?} q75 {:?} max {:?}",
+            g.len(), q(0.0), q(0.25), q(0.5), q(0.75), q(1.0)
         );
     }
     Ok(())

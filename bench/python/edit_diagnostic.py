@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""How good are the hindsight teacher's edits (`distill_target = "edit"`)?
+
+Reads a learning-curve log written with
+`RUST_LOG=...,hindsight_learner::trainer=debug` and scores, per logged field, the trainer's
+decision against what the simulated user's critique says. The critique (`rule-and-value`
+style, noise 0) names every wrong field and the value it should have ("So the department is
+retention.", "That makes it high priority.", "That means no refund."), and never a right one,
+so from the log alone:
+  - a field is *criticized* when the critique states a value for it;
+  - detection: the trainer flags a field when the feedback's shift of its logged value is
+    below -margin; recall = criticized fields flagged, false alarms = uncriticized flagged;
+  - edits: an edited value is right when it equals the stated value (criticized fields) or
+    the logged value (uncriticized ones; any change there is an error).
+Usage: edit_diagnostic.py LOG [MARGIN=0.5]
+"""
+import re
+import sys
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STATED = [
+    ("department", re.compile(r"So the department is (\w+)\.|It has to go to (\w+)\.")),
+    ("priority", re.compile(r"So priority should be (\w+)\.|That makes it (\w+) priority\.")),
+    ("refund", re.compile(r"So the refund is (\w+)\.|That means (?:a )?(\w+) refund\.|That means (no) refund\.")),
+]
+
+
+def stated_values(feedback):
+    out = {}
+    for field, rx in STATED:
+        m = rx.search(feedback)
+        if m:
+            v = next(g for g in m.groups() if g)
+            out[field] = "none" if v == "no" else v
+    return out
+
+
+def main():
+    path = sys.argv[1]
+    margin = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
+    shifts_rx = re.compile(r'\("(\w+)", (-?[\d.e-]+)\)')
+    pending = {}  # record -> (logged dict, shifts, stated)
+    rows = []  # (field, criticized, shift, flagged, logged value, edited value or None, stated)
+    last = None
+    for raw in open(path, errors="replace"):
+        line = ANSI.sub("", raw)
+        if "How the feedback shifts" in line:
+            rec = re.search(r"record=(\S+)", line).group(1)
+            logged = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"logged=(\{.*?\})", line).group(1)))
+            shifts = {k: float(v) for k, v in shifts_rx.findall(line)}
+            fb = re.search(r'feedback="(.*)"', line)
+            stated = stated_values(fb.group(1) if fb else "")
+            if last is not None:
+                rows.extend(finish(*last, None, margin))
+            last = (logged, shifts, stated)
+        elif "teacher's edit of the logged answer" in line and last is not None:
+            edited = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"edited=(\{.*?\})", line).group(1)))
+            rows.extend(finish(*last, edited, margin))
+            last = None
+    if last is not None:
+        rows.extend(finish(*last, None, margin))
+    report(rows, margin)
+
+
+def finish(logged, shifts, stated, edited, margin):
+    for field, shift in shifts.items():
+        flagged = shift < -margin
+        yield (field, field in stated, shift, flagged, logged.get(field),
+               edited.get(field) if edited else None, stated.get(field))
+
+
+def report(rows, margin):
+    crit = [r for r in rows if r[1]]
+    unc = [r for r in rows if not r[1]]
+    n = len(rows)
+    print(f"{n} logged fields in {n // 3} training steps with feedback; margin {margin} nats")
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else float("nan")
+    print(f"criticized fields: {len(crit)}, median shift {med([r[2] for r in crit]):+.2f}; "
+          f"flagged {sum(r[3] for r in crit)} ({100 * sum(r[3] for r in crit) / max(1, len(crit)):.0f}%)")
+    print(f"uncriticized fields: {len(unc)}, median shift {med([r[2] for r in unc]):+.2f}; "
+          f"flagged {sum(r[3] for r in unc)} ({100 * sum(r[3] for r in unc) / max(1, len(unc)):.0f}%)")
+    # What the target ends up with, per field, against the critique.
+    right = wrong = 0
+    edited_right = edited_wrong = 0
+    for field, criticized, shift, flagged, logged, edited, stated in rows:
+        value = edited if edited is not None else logged
+        truth = stated if criticized else logged
+        ok = value == truth
+        right += ok
+        wrong += not ok
+        if edited is not None and edited != logged:
+            edited_right += ok
+            edited_wrong += not ok
+    print(f"target fields right: {right}/{right + wrong} ({100 * right / max(1, right + wrong):.0f}%); "
+          f"logged answers' fields right: {len(unc)}/{n} ({100 * len(unc) / max(1, n):.0f}%)")
+    print(f"changed values: {edited_right + edited_wrong}, right {edited_right}, wrong {edited_wrong}")
+    for name, group in (("criticized", crit), ("uncriticized", unc)):
+        ok = sum((r[5] if r[5] is not None else r[4]) == (r[6] if r[1] else r[4]) for r in group)
+        print(f"  target right on {name} fields: {ok}/{len(group)} ({100 * ok / max(1, len(group)):.0f}%)")
+    for field in ("department", "priority", "refund"):
+        fr = [r for r in rows if r[0] == field]
+        c = [r for r in fr if r[1]]
+        u = [r for r in fr if not r[1]]
+        print(f"  {field:10s}: criticized {len(c):3d} flagged {sum(r[3] for r in c):3d} | "
+              f"uncriticized {len(u):3d} flagged {sum(r[3] for r in u):3d}")
+    # Detection at other margins.
+    for m in (0.0, 0.25, 0.5, 1.0, 1.5, 2.0):
+        tp = sum(r[2] < -m for r in crit)
+        fp = sum(r[2] < -m for r in unc)
+        print(f"  margin {m:4.2f}: recall {100 * tp / max(1, len(crit)):3.0f}%  false alarms {100 * fp / max(1, len(unc)):3.0f}%")
+
+
+if __name__ == "__main__":
+    main()
