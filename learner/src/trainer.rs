@@ -1305,7 +1305,12 @@ mod tests {
     }
 
     fn logprob_of(tr: &Trainer, ctx: &[u32], ans: &[u32]) -> f64 {
-        tr.answer_pass(ctx, ans, &AdapterSelection::All(tr.policy()), false)
+        logprob_under(tr, tr.policy(), ctx, ans)
+    }
+
+    /// Sum of the answer's log-probs after `ctx` under `adapter` (no graph).
+    fn logprob_under(tr: &Trainer, adapter: &Adapter, ctx: &[u32], ans: &[u32]) -> f64 {
+        tr.answer_pass(ctx, ans, &AdapterSelection::All(adapter), false)
             .unwrap()
             .logprobs
             .sum_all()
@@ -1521,15 +1526,7 @@ mod tests {
         );
         // How much more likely the teacher finds its decision than the logged one, in
         // hindsight; the student's preference moves to it (the two answers differ in one token).
-        let t_lp = |ans: &[u32]| {
-            tr.answer_pass(&tctx, ans, &AdapterSelection::All(tr.teacher()), false)
-                .unwrap()
-                .logprobs
-                .sum_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap() as f64
-        };
+        let t_lp = |ans: &[u32]| logprob_under(&tr, tr.teacher(), &tctx, ans);
         let teacher_pref = t_lp(&own) - t_lp(&ex.answer_ids);
         let (miss0, miss1) = (
             (own0 - logged0 - teacher_pref).abs(),
