@@ -337,6 +337,7 @@ fn train_example(
         behaviour_logprobs: Some(vec![-2.5; answer_ids.len()]),
         answer_ids,
         teacher_context_ids: Some(teacher),
+        control_context_ids: None,
         correction_ids: Some(correction_ids),
         answer_format: None,
         thumbs: Some(false),

@@ -156,6 +156,7 @@ fn main() -> Result<()> {
             answer_ids: ids(n),
             behaviour_logprobs: None,
             teacher_context_ids: Some(teacher),
+            control_context_ids: None,
             correction_ids: Some(ids(n.min(30))),
             answer_format: None,
             thumbs: Some(false),

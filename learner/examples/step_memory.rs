@@ -51,6 +51,7 @@ fn main() -> anyhow::Result<()> {
         answer_ids: (0..60).map(|i| 200 + (i * 11) % 20000).collect(),
         behaviour_logprobs: None,
         teacher_context_ids: Some((0..500).map(|i| 100 + (i * 5) % 20000).collect()),
+        control_context_ids: None,
         correction_ids: Some((0..60).map(|i| 300 + (i * 13) % 20000).collect()),
         answer_format: None,
         thumbs: Some(false),

@@ -32,6 +32,13 @@ pub struct ExampleConfig {
     /// The range of `score` feedback, mapped linearly onto [-1, 1].
     #[serde(default = "default_score_range")]
     pub score_range: [f64; 2],
+    /// A critique that says nothing about the answer's content. The teacher shown it in place
+    /// of the real feedback is the counterfactual control of the edit target
+    /// (`trainer.edit_baseline = "control"`, `trainer.teacher_contrast`): what the real
+    /// critique changes beyond "there is a complaint" is what its content says. Empty: no
+    /// control context is built.
+    #[serde(default = "default_control_feedback")]
+    pub control_feedback: String,
 }
 
 fn default_placement() -> HindsightPlacement {
@@ -46,6 +53,9 @@ fn default_max_answer_tokens() -> usize {
 fn default_score_range() -> [f64; 2] {
     [0.0, 1.0]
 }
+fn default_control_feedback() -> String {
+    "That answer is not right.".into()
+}
 
 impl Default for ExampleConfig {
     fn default() -> Self {
@@ -54,6 +64,7 @@ impl Default for ExampleConfig {
             max_context_tokens: default_max_context_tokens(),
             max_answer_tokens: default_max_answer_tokens(),
             score_range: default_score_range(),
+            control_feedback: default_control_feedback(),
         }
     }
 }
@@ -77,6 +88,10 @@ pub struct TrainExample {
     pub behaviour_logprobs: Option<Vec<f32>>,
     /// The teacher's prompt tokens (context + hindsight feedback), when there is text feedback.
     pub teacher_context_ids: Option<Vec<u32>>,
+    /// The teacher's prompt with the content-free critique
+    /// ([`ExampleConfig::control_feedback`]) in place of the feedback, when there is a teacher
+    /// prompt and a control critique is configured.
+    pub control_context_ids: Option<Vec<u32>>,
     /// A corrected answer's tokens (ending with the end-of-turn token), if any.
     pub correction_ids: Option<Vec<u32>>,
     /// The request's `response_format` (schema properties in the logged answer's key order),
@@ -279,6 +294,14 @@ pub fn build_example(
         }
         None => None,
     };
+    let control = cfg.control_feedback.trim();
+    let control_context_ids = match &feedback_text {
+        Some(_) if !control.is_empty() => {
+            let msgs = hindsight_messages(cfg.placement, messages, &answer_text, control);
+            Some(render(&msgs).map_err(|_| SkipReason::Unrenderable)?)
+        }
+        _ => None,
+    };
     let correction_ids = match &correction {
         Some(c) => {
             let mut ids = encode(tokenizer, c).map_err(|_| SkipReason::Unrenderable)?;
@@ -298,7 +321,8 @@ pub fn build_example(
 
     let longest_context = context_ids
         .len()
-        .max(teacher_context_ids.as_ref().map_or(0, Vec::len));
+        .max(teacher_context_ids.as_ref().map_or(0, Vec::len))
+        .max(control_context_ids.as_ref().map_or(0, Vec::len));
     let longest_answer = answer_ids
         .len()
         .max(correction_ids.as_ref().map_or(0, Vec::len));
@@ -315,6 +339,7 @@ pub fn build_example(
         answer_ids,
         behaviour_logprobs: behaviour,
         teacher_context_ids,
+        control_context_ids,
         correction_ids,
         answer_format,
         thumbs,
@@ -449,6 +474,35 @@ mod tests {
         );
         assert!(ex.feedback_text.unwrap().contains("wrong"));
         assert_eq!(ex.feedback_ids.len(), 3);
+    }
+
+    #[test]
+    fn the_control_context_carries_the_content_free_critique_in_place_of_the_feedback() {
+        let rec = record(vec![feedback(FeedbackValue::Comment("wrong".into()))], None);
+        let cfg = ExampleConfig {
+            control_feedback: "fix it".into(),
+            ..ExampleConfig::default()
+        };
+        let ex = build_example(&rec, &tokenizer(), &template(), 1, &cfg).unwrap();
+        let teacher = ex.teacher_context_ids.clone().unwrap();
+        let control = ex.control_context_ids.clone().unwrap();
+        assert!(teacher.contains(&7) && !teacher.contains(&8), "{teacher:?}");
+        assert!(control.contains(&8) && control.contains(&9), "{control:?}");
+        assert!(!control.contains(&7), "the control never sees the feedback");
+        // Same placement: the two prompts differ only where the critiques differ.
+        let common = teacher.iter().zip(&control).take_while(|(a, b)| a == b);
+        assert!(common.count() > ex.context_ids.len() - 2);
+
+        let off = ExampleConfig {
+            control_feedback: "  ".into(),
+            ..ExampleConfig::default()
+        };
+        let ex = build_example(&rec, &tokenizer(), &template(), 1, &off).unwrap();
+        assert_eq!(ex.control_context_ids, None, "an empty control builds none");
+
+        let thumbs = record(vec![feedback(FeedbackValue::Thumbs(true))], None);
+        let ex = build_example(&thumbs, &tokenizer(), &template(), 1, &cfg).unwrap();
+        assert_eq!(ex.control_context_ids, None, "no feedback text, no control");
     }
 
     #[test]

@@ -134,6 +134,34 @@ pub struct TrainerConfig {
     /// hard targets, next to the per-token divergence. 0 = off.
     #[serde(default)]
     pub target_ce_weight: f64,
+    /// [`DistillTarget::Edit`]: what the teacher's log-probability of a logged value is
+    /// compared with to decide whether the feedback speaks against it.
+    #[serde(default)]
+    pub edit_baseline: EditBaseline,
+    /// Context-aware decoding of the teacher's own answer ([`DistillTarget::Teacher`] and the
+    /// values of [`DistillTarget::Edit`]): at each step the logits
+    /// `(1 + α)·teacher − α·control`, where `control` is the teacher shown the content-free
+    /// critique (`examples.control_feedback`) instead of the feedback, so tokens the critique's
+    /// *content* makes likelier win over the teacher's prior (Shi et al. 2023, "Trusting Your
+    /// Evidence"). 0 = plain greedy; examples without a control context decode plainly.
+    #[serde(default)]
+    pub teacher_contrast: f64,
+}
+
+/// [`DistillTarget::Edit`]: the reference a logged value's log-probability under the teacher
+/// (shown the feedback) is compared with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EditBaseline {
+    /// The student on the original prompt: the shift mixes what the feedback says with
+    /// everything else that separates teacher from student (a longer prompt, a complaint, and
+    /// with an EMA or frozen teacher, the training since).
+    #[default]
+    Student,
+    /// The teacher shown a content-free critique in the same place (a counterfactual
+    /// control): only what the critique's content changes counts. Examples without a control
+    /// context use the student.
+    Control,
 }
 
 /// The answer on which self-distillation reads the teacher's and the student's next-token
@@ -237,6 +265,8 @@ impl Default for TrainerConfig {
             teacher_answer_max_tokens: default_teacher_answer_max_tokens(),
             edit_margin_nats: default_edit_margin_nats(),
             target_ce_weight: 0.0,
+            edit_baseline: EditBaseline::default(),
+            teacher_contrast: 0.0,
         }
     }
 }
@@ -276,6 +306,9 @@ impl TrainerConfig {
         }
         if !(self.target_ce_weight.is_finite() && self.target_ce_weight >= 0.0) {
             return Err(bad("target_ce_weight must be a finite number >= 0"));
+        }
+        if !(self.teacher_contrast.is_finite() && self.teacher_contrast >= 0.0) {
+            return Err(bad("teacher_contrast must be a finite number >= 0"));
         }
         Ok(())
     }
@@ -358,6 +391,29 @@ pub struct TeacherDecoding {
 struct TeacherAnswer {
     ids: Vec<u32>,
     logits: Tensor,
+}
+
+/// What [`DistillTarget::Edit`] made of one logged answer ([`Trainer::edit_preview`]).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct EditPreview {
+    /// The logged answer's text.
+    pub logged: String,
+    /// Per top-level field of a JSON-object answer (empty otherwise): the teacher's
+    /// log-probability of the logged value minus the reference's
+    /// ([`TrainerConfig::edit_baseline`]), summed over the value's tokens (nats).
+    pub shifts: Vec<(String, f64)>,
+    /// The fields whose shift is below `-edit_margin_nats`.
+    pub flagged: Vec<String>,
+    /// The teacher's own answer, when one was decoded (only for answers with a flagged field).
+    pub teacher: Option<String>,
+    /// The edited answer trained on, when it differs from the logged one.
+    pub edited: Option<String>,
+}
+
+/// An edit and the teacher's spelling of it (the distillation target).
+struct EditOutcome {
+    preview: EditPreview,
+    target: Option<TeacherAnswer>,
 }
 
 /// Counters and running statistics that belong in a checkpoint.
@@ -567,25 +623,49 @@ impl Trainer {
     }
 
     /// Decodes after `tctx` with the teacher (KV cache): `next` picks each token from the
-    /// teacher's logits (`None`: give up). Ends at the end-of-turn token; `None` when `next`
-    /// gives up or the answer does not end within `teacher_answer_max_tokens`. Returns the
-    /// tokens and the teacher's logits at the positions that predict them.
+    /// teacher's logits (`None`: give up). With `control = (cctx, α)` the logits are
+    /// `(1 + α)·teacher − α·control`, the control decoding the same tokens after `cctx` in a
+    /// cache of its own. Ends at the end-of-turn token; `None` when `next` gives up or the
+    /// answer does not end within `teacher_answer_max_tokens`. Returns the tokens and the
+    /// logits (contrasted when `control` is given) at the positions that predict them.
     fn teacher_decode(
         &self,
         tctx: &[u32],
+        control: Option<(&[u32], f64)>,
         end_of_turn: u32,
         mut next: impl FnMut(&[f32]) -> Option<u32>,
     ) -> Result<Option<TeacherAnswer>> {
         let dev = self.model.device();
         let adapters = AdapterSelection::All(&self.teacher);
-        let mut cache = KvCache::new();
-        let mut input = Tensor::from_slice(tctx, (1, tctx.len()), dev)?;
-        let mut layout = BatchLayout::dense(1, tctx.len(), 0);
+        // One decoding stream per prompt: the teacher's, then the control's.
+        let mut streams = vec![(KvCache::new(), tctx)];
+        if let Some((cctx, _)) = control {
+            streams.push((KvCache::new(), cctx));
+        }
+        let mut last: Option<u32> = None;
         let (mut ids, mut rows) = (Vec::new(), Vec::new());
         for _ in 0..self.cfg.teacher_answer_max_tokens {
-            let logits = self
-                .model
-                .forward_last(&input, &layout, Some(&mut cache), &adapters)?;
+            let mut logits = Vec::with_capacity(streams.len());
+            for (cache, ctx) in &mut streams {
+                let (input, layout) = match last {
+                    None => (
+                        Tensor::from_slice(ctx, (1, ctx.len()), dev)?,
+                        BatchLayout::dense(1, ctx.len(), 0),
+                    ),
+                    Some(id) => (
+                        Tensor::from_slice(&[id], (1, 1), dev)?,
+                        BatchLayout::dense(1, 1, cache.len()),
+                    ),
+                };
+                logits.push(
+                    self.model
+                        .forward_last(&input, &layout, Some(cache), &adapters)?,
+                );
+            }
+            let logits = match (control, logits.as_slice()) {
+                (Some((_, alpha)), [t, c]) => ((t * (1.0 + alpha))? - (c * alpha)?)?,
+                _ => logits.swap_remove(0),
+            };
             let row: Vec<f32> = logits.squeeze(0)?.to_vec1()?;
             rows.push(logits);
             let Some(id) = next(&row) else {
@@ -598,19 +678,21 @@ impl Trainer {
                     ids,
                 }));
             }
-            input = Tensor::from_slice(&[id], (1, 1), dev)?;
-            layout = BatchLayout::dense(1, 1, cache.len());
+            last = Some(id);
         }
         Ok(None)
     }
 
     /// The teacher's own answer after `tctx`: greedy, under the grammar of `format` when given
-    /// (then closed with the end-of-turn token), else until the end-of-turn token. Returns the
-    /// answer and the teacher's logits at the positions that predict it (the decoding's own
-    /// forward passes), or `None` when it does not finish within the token limit.
+    /// (then closed with the end-of-turn token), else until the end-of-turn token; contrasted
+    /// with the teacher after `control` when `teacher_contrast > 0` and a control prompt is
+    /// given. Returns the answer and the logits at the positions that predict it (the
+    /// decoding's own forward passes), or `None` when it does not finish within the token
+    /// limit.
     fn teacher_answer(
         &self,
         tctx: &[u32],
+        control: Option<&[u32]>,
         format: Option<&OJson>,
     ) -> Result<Option<TeacherAnswer>> {
         let dec = self.decoding()?;
@@ -622,8 +704,10 @@ impl Trainer {
             }
             None => None,
         };
+        let alpha = self.cfg.teacher_contrast;
+        let control = control.filter(|_| alpha > 0.0).map(|c| (c, alpha));
         let mut state = grammar.as_ref().map(JsonState::new);
-        self.teacher_decode(tctx, dec.end_of_turn, |row| match &mut state {
+        self.teacher_decode(tctx, control, dec.end_of_turn, |row| match &mut state {
             Some(st) if st.finished() => Some(dec.end_of_turn),
             Some(st) => {
                 let id = best_allowed(row, &allowed_by_grammar(st, &dec.vocab))?;
@@ -634,6 +718,18 @@ impl Trainer {
         })
     }
 
+    /// The greedy answer of the teacher (the EMA policy) after `context`, under the grammar of
+    /// `format` when given, ending with the end-of-turn token; `None` when it does not finish
+    /// within `teacher_answer_max_tokens`. Needs [`Trainer::set_decoding`]. For probes: what
+    /// the model answers a prompt before any feedback.
+    pub fn teacher_greedy(
+        &self,
+        context: &[u32],
+        format: Option<&OJson>,
+    ) -> Result<Option<Vec<u32>>> {
+        Ok(self.teacher_answer(context, None, format)?.map(|a| a.ids))
+    }
+
     /// `text` as the teacher would write it after `tctx`: at each step the teacher's most
     /// likely token among those whose text continues `text`, then the end-of-turn token. The
     /// tokens and the teacher's logits that predict them; `None` if some character has no
@@ -641,7 +737,7 @@ impl Trainer {
     fn teacher_spells(&self, tctx: &[u32], text: &str) -> Result<Option<TeacherAnswer>> {
         let dec = self.decoding()?;
         let mut rest = text;
-        self.teacher_decode(tctx, dec.end_of_turn, |row| {
+        self.teacher_decode(tctx, None, dec.end_of_turn, |row| {
             if rest.is_empty() {
                 return Some(dec.end_of_turn);
             }
@@ -654,17 +750,36 @@ impl Trainer {
         })
     }
 
+    /// Log-probs of `ex`'s logged answer tokens that the teacher's are compared with by
+    /// [`DistillTarget::Edit`]: the teacher after the control prompt
+    /// ([`EditBaseline::Control`], when `ex` has one) or the student's `s_lp`.
+    fn edit_reference(&self, ex: &TrainExample, s_lp: &[f32]) -> Result<(Vec<f32>, usize)> {
+        match (self.cfg.edit_baseline, ex.control_context_ids.as_deref()) {
+            (EditBaseline::Control, Some(cctx)) => {
+                let pass = self.answer_pass(
+                    cctx,
+                    &ex.answer_ids,
+                    &AdapterSelection::All(&self.teacher),
+                    false,
+                )?;
+                Ok((pass.logprobs.to_vec1()?, cctx.len() + ex.answer_ids.len()))
+            }
+            _ => Ok((s_lp.to_vec(), 0)),
+        }
+    }
+
     /// [`DistillTarget::Edit`]: the logged answer with the fields the feedback speaks against
-    /// given the teacher's values (see the variant). `t_lp`/`s_lp` are the teacher's and the
-    /// student's log-probs of the logged tokens. `None`: distil on the logged answer.
+    /// given the teacher's values (see the variant). `t_lp` are the teacher's log-probs of the
+    /// logged tokens, `r_lp` the reference's ([`Trainer::edit_reference`]). The outcome's
+    /// `target` is `None` when the logged answer is distilled on as it is.
     fn teacher_edit(
         &self,
         tctx: &[u32],
         ex: &TrainExample,
         t_lp: &[f32],
-        s_lp: &[f32],
+        r_lp: &[f32],
         counts: &mut TeacherAnswerCounts,
-    ) -> Result<Option<TeacherAnswer>> {
+    ) -> Result<EditOutcome> {
         let dec = self.decoding()?;
         let piece = |id: u32| {
             if id == dec.end_of_turn {
@@ -684,45 +799,60 @@ impl Trainer {
             logged.push_str(piece(id));
             token_spans.push(start..logged.len());
         }
-        let Some(fields) = object_value_spans(&logged) else {
-            return Ok(None);
+        let mut out = EditOutcome {
+            preview: EditPreview {
+                logged: logged.clone(),
+                ..EditPreview::default()
+            },
+            target: None,
         };
-        let shifts: Vec<f64> = fields
+        let Some(fields) = object_value_spans(&logged) else {
+            return Ok(out);
+        };
+        out.preview.shifts = fields
             .iter()
-            .map(|(_, value)| {
-                token_spans
+            .map(|(key, value)| {
+                let shift = token_spans
                     .iter()
-                    .zip(t_lp.iter().zip(s_lp))
+                    .zip(t_lp.iter().zip(r_lp))
                     .filter(|(tok, _)| tok.start < value.end && tok.end > value.start)
-                    .map(|(_, (t, s))| f64::from(*t) - f64::from(*s))
-                    .sum()
+                    .map(|(_, (t, r))| f64::from(*t) - f64::from(*r))
+                    .sum();
+                (key.clone(), shift)
             })
             .collect();
         debug!(
             record = %ex.record_id,
             logged = %logged,
-            shifts = ?fields.iter().map(|(k, _)| k.as_str()).zip(&shifts).collect::<Vec<_>>(),
+            shifts = ?out.preview.shifts,
             feedback = ex.feedback_text.as_deref().unwrap_or(""),
-            "How the feedback shifts each logged field (teacher minus student, nats)."
+            "How the feedback shifts each logged field (teacher minus reference, nats)."
         );
         let against: Vec<&(String, std::ops::Range<usize>)> = fields
             .iter()
-            .zip(&shifts)
-            .filter(|(_, shift)| **shift < -self.cfg.edit_margin_nats)
+            .zip(&out.preview.shifts)
+            .filter(|(_, (_, shift))| *shift < -self.cfg.edit_margin_nats)
             .map(|(field, _)| field)
             .collect();
+        out.preview.flagged = against.iter().map(|(k, _)| k.clone()).collect();
         if against.is_empty() {
-            return Ok(None);
+            return Ok(out);
         }
         counts.decoded += 1;
-        let Some(own) = self.teacher_answer(tctx, ex.answer_format.as_ref())? else {
+        let Some(own) = self.teacher_answer(
+            tctx,
+            ex.control_context_ids.as_deref(),
+            ex.answer_format.as_ref(),
+        )?
+        else {
             counts.fallback += 1;
-            return Ok(None);
+            return Ok(out);
         };
         let own_text: String = own.ids.iter().map(|&id| piece(id)).collect();
+        out.preview.teacher = Some(own_text.clone());
         let Some(own_fields) = object_value_spans(&own_text) else {
             counts.fallback += 1;
-            return Ok(None);
+            return Ok(out);
         };
         let (mut target, mut at, mut edited) = (String::new(), 0, 0);
         for (key, value) in against {
@@ -739,17 +869,42 @@ impl Trainer {
             edited += 1;
         }
         if edited == 0 {
-            return Ok(None);
+            return Ok(out);
         }
         target.push_str(&logged[at..]);
         debug!(record = %ex.record_id, edited = %target, "The teacher's edit of the logged answer.");
         let Some(spelled) = self.teacher_spells(tctx, &target)? else {
             counts.fallback += 1;
-            return Ok(None);
+            return Ok(out);
         };
+        out.preview.edited = Some(target);
         counts.changed += 1;
         counts.edited_fields += edited;
-        Ok(Some(spelled))
+        out.target = Some(spelled);
+        Ok(out)
+    }
+
+    /// The [`DistillTarget::Edit`] target of `ex` as a step would build it now (same passes,
+    /// same configuration), without training: for probes and diagnostics. `None` when `ex`
+    /// has no teacher prompt. Needs [`Trainer::set_decoding`].
+    pub fn edit_preview(&self, ex: &TrainExample) -> Result<Option<EditPreview>> {
+        let Some(tctx) = ex.teacher_context_ids.as_deref() else {
+            return Ok(None);
+        };
+        let pass = |ctx: &[u32], adapter: &Adapter| -> Result<Vec<f32>> {
+            Ok(self
+                .answer_pass(ctx, &ex.answer_ids, &AdapterSelection::All(adapter), false)?
+                .logprobs
+                .to_vec1()?)
+        };
+        let t_lp = pass(tctx, &self.teacher)?;
+        let s_lp = pass(&ex.context_ids, &self.policy)?;
+        let (r_lp, _) = self.edit_reference(ex, &s_lp)?;
+        let mut counts = TeacherAnswerCounts::default();
+        Ok(Some(
+            self.teacher_edit(tctx, ex, &t_lp, &r_lp, &mut counts)?
+                .preview,
+        ))
     }
 
     /// One optimizer step on `batch`. A step refused by a guard leaves the weights untouched
@@ -863,7 +1018,8 @@ impl Trainer {
                 let mut teacher = None;
                 let own = match &ex.teacher_context_ids {
                     Some(tctx) if w.distill > 0.0 && target == DistillTarget::Teacher => {
-                        let own = self.teacher_answer(tctx, ex.answer_format.as_ref())?;
+                        let control = ex.control_context_ids.as_deref();
+                        let own = self.teacher_answer(tctx, control, ex.answer_format.as_ref())?;
                         let c = teacher_counts.get_or_insert_with(Default::default);
                         c.decoded += 1;
                         match &own {
@@ -879,8 +1035,10 @@ impl Trainer {
                         report.tokens += tctx.len() + n;
                         let t = teacher.insert(teacher_pass(self)?);
                         let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
+                        let (r_lp, r_tokens) = self.edit_reference(ex, &s_lp)?;
+                        report.tokens += r_tokens;
                         let c = teacher_counts.get_or_insert_with(Default::default);
-                        let own = self.teacher_edit(tctx, ex, &t_lp, &s_lp, c)?;
+                        let own = self.teacher_edit(tctx, ex, &t_lp, &r_lp, c)?.target;
                         if let Some(a) = &own {
                             report.tokens += 2 * (tctx.len() + a.ids.len());
                         }
@@ -1267,6 +1425,7 @@ mod tests {
             answer_ids: vec![7, 8, 9],
             behaviour_logprobs: None,
             teacher_context_ids: teacher.then(|| vec![1, 2, 3 + i % 5, 20, 21, 4]),
+            control_context_ids: teacher.then(|| vec![1, 2, 3 + i % 5, 22, 23, 4]),
             correction_ids: correction.then(|| vec![10, 11, 12]),
             answer_format: None,
             thumbs,
@@ -1455,11 +1614,11 @@ mod tests {
         let tctx = ex.teacher_context_ids.clone().unwrap();
         let (dec, rf, text) = guided();
         assert!(
-            tr.teacher_answer(&tctx, Some(&rf)).is_err(),
+            tr.teacher_answer(&tctx, None, Some(&rf)).is_err(),
             "decoding without the vocabulary is an error, not a silent fallback"
         );
         tr.set_decoding(dec);
-        let own = tr.teacher_answer(&tctx, Some(&rf)).unwrap().unwrap();
+        let own = tr.teacher_answer(&tctx, None, Some(&rf)).unwrap().unwrap();
         assert_eq!(own.ids.last(), Some(&31), "closed with the end of turn");
         let doc = text(&own.ids);
         let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
@@ -1474,7 +1633,7 @@ mod tests {
         assert!(diff < 1e-3, "decode vs full-pass logits differ by {diff}");
         // A limit too short to close the document falls back (None), it does not truncate.
         tr.cfg.teacher_answer_max_tokens = 5;
-        assert!(tr.teacher_answer(&tctx, Some(&rf)).unwrap().is_none());
+        assert!(tr.teacher_answer(&tctx, None, Some(&rf)).unwrap().is_none());
     }
 
     /// Distillation alone on `target`, forward KL, frozen teacher, no KL guard.
@@ -1495,7 +1654,11 @@ mod tests {
         let mut ex = example(4, false, true, None);
         ex.answer_format = Some(rf.clone());
         let tctx = ex.teacher_context_ids.clone().unwrap();
-        let own = tr.teacher_answer(&tctx, Some(&rf)).unwrap().unwrap().ids;
+        let own = tr
+            .teacher_answer(&tctx, None, Some(&rf))
+            .unwrap()
+            .unwrap()
+            .ids;
         // The logged answer is a different decision than the teacher's.
         let theirs = text(&own);
         let other = ['a', 'b', 'c']
@@ -1610,7 +1773,12 @@ mod tests {
         ex.answer_format = Some(rf.clone());
         let tctx = ex.teacher_context_ids.clone().unwrap();
         // The teacher's own answer; the logged one disagrees with it on both fields.
-        let own = text(&tr.teacher_answer(&tctx, Some(&rf)).unwrap().unwrap().ids);
+        let own = text(
+            &tr.teacher_answer(&tctx, None, Some(&rf))
+                .unwrap()
+                .unwrap()
+                .ids,
+        );
         let own: serde_json::Value = serde_json::from_str(&own).unwrap();
         let other = |f: &str| ["a", "b", "c"].into_iter().find(|v| own[f] != *v).unwrap();
         let logged = format!(r#"{{"j": "{}", "k": "{}"}}"#, other("j"), other("k"));
@@ -1622,10 +1790,20 @@ mod tests {
         let mut t_lp = s_lp.clone();
         t_lp[7] -= 1.0;
         let mut counts = TeacherAnswerCounts::default();
-        let edit = tr
+        let outcome = tr
             .teacher_edit(&tctx, &ex, &t_lp, &s_lp, &mut counts)
-            .unwrap()
             .unwrap();
+        let edit = outcome.target.unwrap();
+        assert_eq!(outcome.preview.flagged, vec!["j".to_string()]);
+        assert_eq!(
+            outcome.preview.edited.as_deref(),
+            Some(text(&edit.ids).as_str())
+        );
+        assert!(
+            (outcome.preview.shifts[0].1 + 1.0).abs() < 1e-6,
+            "{:?}",
+            outcome.preview
+        );
         let edited: serde_json::Value = serde_json::from_str(&text(&edit.ids)).unwrap();
         assert_eq!(
             edited["j"], own["j"],
@@ -1654,18 +1832,142 @@ mod tests {
         // Within the margin: nothing is decoded, the logged answer stays the target.
         t_lp[7] = s_lp[7] - 0.4;
         let mut counts = TeacherAnswerCounts::default();
-        assert!(tr
+        let outcome = tr
             .teacher_edit(&tctx, &ex, &t_lp, &s_lp, &mut counts)
-            .unwrap()
-            .is_none());
+            .unwrap();
+        assert!(outcome.target.is_none() && outcome.preview.flagged.is_empty());
         assert_eq!(counts, TeacherAnswerCounts::default());
         // An answer that is not a JSON object is not edited.
         ex.answer_ids = ids("abc");
         let short = vec![-2.0f32; ex.answer_ids.len()];
-        assert!(tr
+        let outcome = tr
             .teacher_edit(&tctx, &ex, &short, &s_lp[..4], &mut counts)
+            .unwrap();
+        assert!(outcome.target.is_none() && outcome.preview.shifts.is_empty());
+    }
+
+    #[test]
+    fn the_teachers_answer_can_be_contrasted_with_the_control_critique() {
+        let mut cfg = weights(0.0, 0.0, 1.0, 0.0);
+        cfg.teacher_contrast = 1.5;
+        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        let (dec, rf, text) = guided();
+        tr.set_decoding(dec);
+        let ex = example(3, false, true, None);
+        let tctx = ex.teacher_context_ids.clone().unwrap();
+        let cctx = ex.control_context_ids.clone().unwrap();
+        let own = tr
+            .teacher_answer(&tctx, Some(&cctx), Some(&rf))
             .unwrap()
-            .is_none());
+            .unwrap();
+        let doc = text(&own.ids);
+        assert!(
+            serde_json::from_str::<serde_json::Value>(&doc).is_ok(),
+            "{doc}"
+        );
+        // The decoding's logits are 2.5·teacher − 1.5·control, both teacher passes over the
+        // answer after their own prompts.
+        let full = |ctx: &[u32]| {
+            tr.answer_pass(ctx, &own.ids, &AdapterSelection::All(tr.teacher()), false)
+                .unwrap()
+                .logits
+        };
+        let want = ((full(&tctx) * 2.5).unwrap() - (full(&cctx) * 1.5).unwrap()).unwrap();
+        let diff = max_abs_diff(&want, &own.logits);
+        assert!(
+            diff < 2e-3,
+            "contrasted decode vs full passes differ by {diff}"
+        );
+        let plain_logits = full(&tctx);
+        assert!(
+            max_abs_diff(&plain_logits, &own.logits) > 1e-2,
+            "the control changes the logits"
+        );
+        // Without a control prompt, or with α = 0, the decoding is the teacher's alone.
+        for alpha in [1.5, 0.0] {
+            tr.cfg.teacher_contrast = alpha;
+            let ctl = (alpha == 0.0).then_some(cctx.as_slice());
+            let plain = tr.teacher_answer(&tctx, ctl, Some(&rf)).unwrap().unwrap();
+            let full = tr
+                .answer_pass(
+                    &tctx,
+                    &plain.ids,
+                    &AdapterSelection::All(tr.teacher()),
+                    false,
+                )
+                .unwrap()
+                .logits;
+            assert!(max_abs_diff(&full, &plain.logits) < 1e-3, "α = {alpha}");
+        }
+    }
+
+    #[test]
+    fn the_edit_measures_the_feedback_against_the_student_or_the_control() {
+        let mut cfg = distill_on(DistillTarget::Edit);
+        cfg.edit_margin_nats = 0.0;
+        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        let (dec, rf, ids) = guided_pair();
+        tr.set_decoding(dec);
+        let mut ex = example(5, false, true, None);
+        ex.answer_format = Some(rf);
+        ex.answer_ids = ids(r#"{"j": "a", "k": "b"}"#);
+        let lp = |ctx: &[u32], adapter: &Adapter| -> Vec<f32> {
+            tr.answer_pass(ctx, &ex.answer_ids, &AdapterSelection::All(adapter), false)
+                .unwrap()
+                .logprobs
+                .to_vec1()
+                .unwrap()
+        };
+        let t = lp(ex.teacher_context_ids.as_deref().unwrap(), tr.teacher());
+        let c = lp(ex.control_context_ids.as_deref().unwrap(), tr.teacher());
+        let s = lp(&ex.context_ids, tr.policy());
+        // One character per token: token i is byte i of the logged text.
+        let spans = object_value_spans(r#"{"j": "a", "k": "b"}"#).unwrap();
+        let shift = |r: &[f32], field: usize| -> f64 {
+            spans[field]
+                .1
+                .clone()
+                .map(|i| f64::from(t[i]) - f64::from(r[i]))
+                .sum()
+        };
+        for (baseline, reference) in [(EditBaseline::Student, &s), (EditBaseline::Control, &c)] {
+            tr.cfg.edit_baseline = baseline;
+            let preview = tr.edit_preview(&ex).unwrap().unwrap();
+            assert_eq!(preview.logged, r#"{"j": "a", "k": "b"}"#);
+            for (field, (key, got)) in preview.shifts.iter().enumerate() {
+                assert_eq!(key, &spans[field].0);
+                let want = shift(reference, field);
+                assert!(
+                    (got - want).abs() < 1e-4,
+                    "{baseline:?} {key}: {got} vs {want}"
+                );
+            }
+            let below: Vec<String> = preview
+                .shifts
+                .iter()
+                .filter(|(_, x)| *x < 0.0)
+                .map(|(k, _)| k.clone())
+                .collect();
+            assert_eq!(preview.flagged, below, "{baseline:?}");
+            assert_eq!(preview.teacher.is_some(), !below.is_empty());
+        }
+        assert!(
+            (shift(&s, 0) - shift(&c, 0)).abs() > 1e-3,
+            "the two references differ, so the test tells them apart"
+        );
+    }
+
+    #[test]
+    fn the_contrast_must_be_finite_and_not_negative() {
+        for alpha in [-0.5, f64::NAN, f64::INFINITY] {
+            let cfg = TrainerConfig {
+                teacher_contrast: alpha,
+                ..TrainerConfig::default()
+            };
+            let err = cfg.check().unwrap_err().to_string();
+            assert!(err.contains("teacher_contrast"), "{err}");
+        }
+        assert!(TrainerConfig::default().check().is_ok());
     }
 
     #[test]
