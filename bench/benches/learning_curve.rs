@@ -19,6 +19,10 @@
 //! #     the hindsight teacher decodes itself under the request's grammar, or on the logged
 //! #     answer with the fields the feedback speaks against set to the teacher's values)
 //! #   TARGET_CE=0  (weight of cross-entropy on a teacher/edit target that differs from the logged answer)
+//! #   EDIT_MARGIN=<nats>  (the edit's margin; default: the learner's)
+//! #   EDIT_BASELINE=student|control  (what the edit compares the teacher shown the feedback with:
+//! #     the student, or the teacher shown a content-free critique)
+//! #   CONTRAST=0  (α of the teacher's decoding contrasted with the content-free critique)
 //! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
@@ -119,6 +123,14 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("DISTILL_TARGET={t}: logged, teacher or edit"))?;
         }
         cfg.target_ce_weight = env("TARGET_CE", cfg.target_ce_weight);
+        if let Ok(b) = std::env::var("EDIT_BASELINE") {
+            cfg.edit_baseline = serde_json::from_value(serde_json::Value::String(b.clone()))
+                .with_context(|| format!("EDIT_BASELINE={b}: student or control"))?;
+        }
+        cfg.teacher_contrast = env("CONTRAST", cfg.teacher_contrast);
+        cfg.edit_margin_nats = std::env::var("EDIT_MARGIN")
+            .ok()
+            .and_then(|v| v.parse().ok());
         if let Ok(p) = std::env::var("PLACEMENT") {
             cfg.placement = hindsight_eval::HindsightPlacement::from_str(&p, true)
                 .map_err(anyhow::Error::msg)

@@ -22,7 +22,7 @@ use hindsight_learner::online::{
 };
 use hindsight_learner::publish::PublishConfig;
 use hindsight_learner::registry::RegistryConfig;
-use hindsight_learner::trainer::{DistillTarget, ObjectiveWeights};
+use hindsight_learner::trainer::{DistillTarget, EditBaseline, ObjectiveWeights};
 use hindsight_proxy::{Extensions, RawConfig};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -173,6 +173,17 @@ pub struct LearningConfig {
     /// trainer's `target_ce_weight`; older result files lack it: 0).
     #[serde(default)]
     pub target_ce_weight: f64,
+    /// The edit's margin (the trainer's `edit_margin_nats`); `None`: the learner's default.
+    #[serde(default)]
+    pub edit_margin_nats: Option<f64>,
+    /// What the edit target compares the teacher with (the trainer's `edit_baseline`; older
+    /// result files lack it: the student).
+    #[serde(default)]
+    pub edit_baseline: EditBaseline,
+    /// Contrast of the teacher's decoding against the content-free critique (the trainer's
+    /// `teacher_contrast`; older result files lack it: 0).
+    #[serde(default)]
+    pub teacher_contrast: f64,
     /// Run the likelihood probe of learning beyond the prior ([`PriorProbe`]) at every point
     /// (about a second per probed ticket on this CPU).
     #[serde(default)]
@@ -231,6 +242,15 @@ impl LearningConfig {
         if self.target_ce_weight > 0.0 {
             label.push_str(&format!(", target CE {}", self.target_ce_weight));
         }
+        if let Some(m) = self.edit_margin_nats {
+            label.push_str(&format!(", margin {m}"));
+        }
+        if self.edit_baseline == EditBaseline::Control {
+            label.push_str(", vs control critique");
+        }
+        if self.teacher_contrast > 0.0 {
+            label.push_str(&format!(", contrast {}", self.teacher_contrast));
+        }
         label
     }
 
@@ -260,6 +280,9 @@ impl LearningConfig {
             divergence: None,
             distill_target: DistillTarget::default(),
             target_ce_weight: 0.0,
+            edit_margin_nats: None,
+            edit_baseline: EditBaseline::default(),
+            teacher_contrast: 0.0,
             prior_probe: true,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
@@ -737,6 +760,11 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     }
     learner_cfg.trainer.distill_target = cfg.distill_target;
     learner_cfg.trainer.target_ce_weight = cfg.target_ce_weight;
+    if let Some(m) = cfg.edit_margin_nats {
+        learner_cfg.trainer.edit_margin_nats = m;
+    }
+    learner_cfg.trainer.edit_baseline = cfg.edit_baseline;
+    learner_cfg.trainer.teacher_contrast = cfg.teacher_contrast;
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
     let setup = LearnerSetup {
@@ -1108,5 +1136,11 @@ mod tests {
         assert!(cfg
             .label()
             .ends_with("forward KL, on the teacher's edit, target CE 1"));
+        cfg.edit_margin_nats = Some(0.0);
+        cfg.edit_baseline = EditBaseline::Control;
+        cfg.teacher_contrast = 1.0;
+        assert!(cfg
+            .label()
+            .ends_with("target CE 1, margin 0, vs control critique, contrast 1"));
     }
 }

@@ -28,7 +28,7 @@ pub use prompt::{
 pub use rng::Rng;
 pub use run::{run_env, EnvRunConfig, EnvRunSummary, EpisodeOutcome, FeedbackConfig};
 pub use sop::{
-    resolve, rules_text, Decision, Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES,
+    resolve, rules_text, Decision, Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES, REFUNDS,
 };
 pub use tools::{lookup, ToolBox};
 pub use user::{critique, react, rule_phrase, value_phrase, CritiqueStyle, Reaction, UserConfig};

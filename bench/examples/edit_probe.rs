@@ -1,0 +1,327 @@
+//! How good are the targets of `distill_target = "edit"`, per way of building them, before any
+//! training? A few minutes instead of an hour-long learning run.
+//!
+//! For `N` training tickets of the simulated environment (single turn, guided JSON, as in the
+//! learning-curve bench) the logged answer is the default model's greedy answer with each field
+//! replaced, with probability ½, by another value of its enum (traffic is sampled at
+//! temperature 0.7, so logged answers vary around the greedy one). The simulated user's
+//! critique (rule and value) names every wrong field and no right one. The episode goes through
+//! the learner's own example builder and [`Trainer::edit_preview`] (the step's code), for each
+//! configuration: the reference the teacher's log-probability of a logged value is compared
+//! with (`student`, or the teacher shown a content-free `control` critique) and the contrast α
+//! of the teacher's decoding against the control.
+//!
+//! The trainer runs with margin 0, so the teacher's own answer is decoded whenever any field's
+//! shift is negative; the targets at larger margins are derived from the same shifts and
+//! answers (a field flagged at margin m takes the teacher's value), as the trainer builds them.
+//! Printed per configuration and margin: recall (wrong fields flagged), false alarms (right
+//! fields flagged), and the share of target fields and of whole targets that are right, next
+//! to the logged answers'.
+//!
+//! ```sh
+//! cargo run --release -p hindsight-bench --example edit_probe -- [N]
+//! ```
+use std::sync::Arc;
+
+use anyhow::Context;
+use hindsight_bench::env::{
+    critique, messages, resolve, response_format, CritiqueStyle, PromptOptions, Rng, Split,
+    Variant, World, DEPARTMENTS, PRIORITIES, REFUNDS,
+};
+use hindsight_feedback::{
+    EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue,
+    EPISODE_SCHEMA, FEEDBACK_SCHEMA,
+};
+use hindsight_learner::candle_core::{DType, Device};
+use hindsight_learner::example::{build_example, ExampleConfig, TrainExample};
+use hindsight_learner::grammar::{grammar_vocab, object_value_spans, OJson};
+use hindsight_learner::trainer::{
+    DistillTarget, EditBaseline, EditPreview, TeacherDecoding, Trainer, TrainerConfig,
+};
+use hindsight_learner::{decode, encode, ModelBundle};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+/// One way of building the edit.
+struct EditVariant {
+    name: String,
+    baseline: EditBaseline,
+    contrast: f64,
+}
+
+/// What one configuration made of one logged answer.
+struct Seen {
+    /// Per field: the shift and whether the logged value was wrong.
+    shifts: Vec<(String, f64, bool)>,
+    /// The teacher's own answer (decoded whenever some shift is below 0).
+    teacher: Option<String>,
+}
+
+fn episode(msgs: &[Value], answer: &str, fb: &str) -> EpisodeRecord {
+    EpisodeRecord {
+        schema: EPISODE_SCHEMA.into(),
+        record_id: Uuid::now_v7(),
+        episode_id: "probe".into(),
+        episode_source: EpisodeSource::Header,
+        turn: Uuid::now_v7(),
+        route: "default".into(),
+        context: EpisodeContext {
+            messages: Value::Array(msgs.to_vec()),
+            tools: None,
+            tool_choice: None,
+            model: None,
+            response_format: Some(response_format()),
+        },
+        answer: Some(json!({"role": "assistant", "content": answer})),
+        behaviour: None,
+        adapter: None,
+        feedback: vec![FeedbackRecord {
+            schema: FEEDBACK_SCHEMA.into(),
+            feedback_id: Uuid::now_v7(),
+            target: FeedbackTarget::Episode("probe".into()),
+            value: FeedbackValue::Comment(fb.into()),
+            metric: None,
+            source: None,
+            rater: None,
+            tags: vec![],
+            retracts: None,
+            event_time_ms: 0,
+        }],
+        interaction_time_ms: 0,
+        feedback_time_ms: 0,
+        emitted_at_ms: 0,
+    }
+}
+
+/// The JSON value of `field` in `text` as a plain string, if `text` is an object with it.
+fn field_of(text: &str, field: &str) -> Option<String> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    v.get(field)?.as_str().map(str::to_string)
+}
+
+/// Whether `text` lacks `field` or has another value there than `expected`.
+fn is_wrong(text: &str, field: &str, expected: &Value) -> bool {
+    field_of(text, field).as_deref() != expected[field].as_str()
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(40);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let bundle = ModelBundle::load(
+        &root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        DType::F32,
+        &Device::Cpu,
+    )?;
+    let end_of_turn = bundle.end_of_turn().context("end of turn token")?;
+    let ModelBundle {
+        model,
+        tokenizer,
+        chat_template,
+        config,
+        ..
+    } = bundle;
+    let template = chat_template.context("chat template")?;
+    let decoding = TeacherDecoding {
+        vocab: Arc::new(grammar_vocab(&tokenizer, config.vocab_size)),
+        end_of_turn,
+    };
+    let model = Arc::new(model);
+    let variants = [
+        ("student", EditBaseline::Student, 0.0),
+        ("control", EditBaseline::Control, 0.0),
+        ("student", EditBaseline::Student, 1.0),
+        ("control", EditBaseline::Control, 1.0),
+    ]
+    .map(|(name, baseline, contrast)| EditVariant {
+        name: format!("reference {name}, contrast α {contrast}"),
+        baseline,
+        contrast,
+    });
+    let trainers: Vec<Trainer> = variants
+        .iter()
+        .map(|v| {
+            let cfg = TrainerConfig {
+                distill_target: DistillTarget::Edit,
+                edit_margin_nats: 0.0,
+                edit_baseline: v.baseline,
+                teacher_contrast: v.contrast,
+                ..TrainerConfig::default()
+            };
+            let mut tr = Trainer::new(model.clone(), cfg, "probe")?;
+            tr.set_decoding(decoding.clone());
+            Ok(tr)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let mut seen: Vec<Vec<Seen>> = variants.iter().map(|_| Vec::new()).collect();
+    let mut logged_answers: Vec<(String, Value)> = Vec::new();
+
+    let world = World::new(0);
+    let options = PromptOptions {
+        variant: Variant::Single,
+        with_rules: false,
+        response_format: true,
+    };
+    let format = OJson::from(&response_format());
+    let mut rng = Rng::new(11);
+    let enums: [(&str, &[&str]); 3] = [
+        ("department", &DEPARTMENTS),
+        ("priority", &PRIORITIES),
+        ("refund", &REFUNDS),
+    ];
+    let started = std::time::Instant::now();
+    for ticket in world.tickets(Split::Train, n) {
+        let res = resolve(&ticket);
+        let expected = res.decision.to_json();
+        let msgs = messages(&ticket, options);
+        let prompt = encode(&tokenizer, &template.render_chat(&msgs, &[])?)?;
+        let Some(greedy) = trainers[0].teacher_greedy(&prompt, Some(&format))? else {
+            eprintln!(
+                "{}: greedy answer did not finish; skipped",
+                ticket.ticket_id
+            );
+            continue;
+        };
+        let greedy = decode(&tokenizer, &greedy[..greedy.len() - 1], false)?;
+        // The logged answer: the greedy one with each value replaced by another with p ½,
+        // keeping the layout.
+        let spans = object_value_spans(&greedy).context("greedy answer is an object")?;
+        let (mut logged, mut at) = (String::new(), 0);
+        for (key, span) in &spans {
+            let values = enums.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
+            let (Some(values), true) = (values, rng.chance(0.5)) else {
+                continue;
+            };
+            let current = greedy[span.clone()].trim_matches('"');
+            let others: Vec<&str> = values.iter().copied().filter(|v| *v != current).collect();
+            let Some(new) = rng.pick(&others) else {
+                continue;
+            };
+            logged.push_str(&greedy[at..span.start]);
+            logged.push_str(&format!("\"{new}\""));
+            at = span.end;
+        }
+        logged.push_str(&greedy[at..]);
+        let Some(logged_map) = serde_json::from_str::<Value>(&logged)?.as_object().cloned() else {
+            continue;
+        };
+        let broken = res.broken_rules(Some(&logged_map));
+        if broken.is_empty() {
+            continue;
+        }
+        let wrong = |text: &str, field: &str| is_wrong(text, field, &expected);
+        let fb = critique(
+            &mut rng,
+            &ticket,
+            &res,
+            &broken,
+            false,
+            CritiqueStyle::RuleAndValue,
+        );
+        let rec = episode(&msgs, &logged, &fb);
+        let ex: TrainExample = build_example(
+            &rec,
+            &tokenizer,
+            &template,
+            end_of_turn,
+            &ExampleConfig::default(),
+        )
+        .map_err(|r| anyhow::anyhow!("no example: {}", r.as_str()))?;
+
+        logged_answers.push((logged.clone(), expected.clone()));
+        eprintln!("{} logged {logged} | {fb}", ticket.ticket_id);
+        for (tr, seen) in trainers.iter().zip(&mut seen) {
+            let Some(EditPreview {
+                shifts, teacher, ..
+            }) = tr.edit_preview(&ex)?
+            else {
+                continue;
+            };
+            eprintln!(
+                "  {:>3.1} {:?}: shifts {shifts:?} teacher {}",
+                tr.config().teacher_contrast,
+                tr.config().edit_baseline,
+                teacher.as_deref().unwrap_or("-"),
+            );
+            seen.push(Seen {
+                shifts: shifts
+                    .into_iter()
+                    .map(|(k, x)| {
+                        let w = wrong(&logged, &k);
+                        (k, x, w)
+                    })
+                    .collect(),
+                teacher,
+            });
+        }
+    }
+
+    let fields = ["department", "priority", "refund"];
+    let pct = |a: usize, b: usize| 100.0 * a as f64 / b.max(1) as f64;
+    let right_fields = |(text, expected): &(String, Value)| {
+        fields
+            .iter()
+            .filter(|f| !is_wrong(text, f, expected))
+            .count()
+    };
+    println!(
+        "\n{} tickets with a critique ({n} asked), {:.0} s",
+        logged_answers.len(),
+        started.elapsed().as_secs_f64()
+    );
+    println!(
+        "logged answers: {:.0}% of fields right, {:.0}% of answers right",
+        pct(
+            logged_answers.iter().map(|a| right_fields(a)).sum(),
+            3 * logged_answers.len()
+        ),
+        pct(
+            logged_answers
+                .iter()
+                .filter(|a| right_fields(a) == 3)
+                .count(),
+            logged_answers.len()
+        )
+    );
+    println!(
+        "| edit | margin (nats) | recall | false alarms | target fields right | targets right |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+    for (v, seen) in variants.iter().zip(&seen) {
+        for margin in [0.0, 0.5, 1.0, 2.0] {
+            let (mut hits, mut wrongs, mut alarms, mut rights) = (0, 0, 0, 0);
+            let (mut fields_right, mut targets_right) = (0, 0);
+            for (s, (logged, expected)) in seen.iter().zip(&logged_answers) {
+                let mut right = 0;
+                for (key, shift, was_wrong) in &s.shifts {
+                    let flagged = *shift < -margin;
+                    if *was_wrong {
+                        wrongs += 1;
+                        hits += usize::from(flagged);
+                    } else {
+                        rights += 1;
+                        alarms += usize::from(flagged);
+                    }
+                    // A flagged field takes the teacher's value when it has one.
+                    let teacher_value = s.teacher.as_deref().and_then(|t| field_of(t, key));
+                    let value = match (flagged, teacher_value) {
+                        (true, Some(v)) => Some(v),
+                        _ => field_of(logged, key),
+                    };
+                    right += usize::from(value.as_deref() == expected[key.as_str()].as_str());
+                }
+                fields_right += right;
+                targets_right += usize::from(right == s.shifts.len());
+            }
+            println!(
+                "| {} | {margin} | {:.0}% | {:.0}% | {:.0}% | {:.0}% |",
+                v.name,
+                pct(hits, wrongs),
+                pct(alarms, rights),
+                pct(fields_right, wrongs + rights),
+                pct(targets_right, seen.len()),
+            );
+        }
+    }
+    Ok(())
+}
