@@ -750,6 +750,15 @@ impl Trainer {
         })
     }
 
+    /// Tokens the control stream of a contrasted decoding of `answer_len` tokens costs (0
+    /// when the decoding is not contrasted).
+    fn control_decode_tokens(&self, ex: &TrainExample, answer_len: usize) -> usize {
+        match &ex.control_context_ids {
+            Some(cctx) if self.cfg.teacher_contrast > 0.0 => cctx.len() + answer_len,
+            _ => 0,
+        }
+    }
+
     /// Log-probs of `ex`'s logged answer tokens that the teacher's are compared with by
     /// [`DistillTarget::Edit`]: the teacher after the control prompt
     /// ([`EditBaseline::Control`], when `ex` has one) or the student's `s_lp`.
@@ -1025,6 +1034,7 @@ impl Trainer {
                         match &own {
                             Some(a) => {
                                 report.tokens += tctx.len() + a.ids.len();
+                                report.tokens += self.control_decode_tokens(ex, a.ids.len());
                                 c.changed += usize::from(a.ids != ex.answer_ids);
                             }
                             None => c.fallback += 1,
@@ -1041,6 +1051,7 @@ impl Trainer {
                         let own = self.teacher_edit(tctx, ex, &t_lp, &r_lp, c)?.target;
                         if let Some(a) = &own {
                             report.tokens += 2 * (tctx.len() + a.ids.len());
+                            report.tokens += self.control_decode_tokens(ex, a.ids.len());
                         }
                         own
                     }
