@@ -272,7 +272,7 @@ fn main() -> anyhow::Result<()> {
     println!(
         "logged answers: {:.0}% of fields right, {:.0}% of answers right",
         pct(
-            logged_answers.iter().map(|a| right_fields(a)).sum(),
+            logged_answers.iter().map(&right_fields).sum(),
             3 * logged_answers.len()
         ),
         pct(
