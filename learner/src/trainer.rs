@@ -761,8 +761,13 @@ impl Trainer {
 
     /// Log-probs of `ex`'s logged answer tokens that the teacher's are compared with by
     /// [`DistillTarget::Edit`]: the teacher after the control prompt
-    /// ([`EditBaseline::Control`], when `ex` has one) or the student's `s_lp`.
-    fn edit_reference(&self, ex: &TrainExample, s_lp: &[f32]) -> Result<(Vec<f32>, usize)> {
+    /// ([`EditBaseline::Control`], when `ex` has one) or the student's (from `student`, only
+    /// called then), with the tokens the reference's own pass cost.
+    fn edit_reference(
+        &self,
+        ex: &TrainExample,
+        student: impl FnOnce() -> Result<Vec<f32>>,
+    ) -> Result<(Vec<f32>, usize)> {
         match (self.cfg.edit_baseline, ex.control_context_ids.as_deref()) {
             (EditBaseline::Control, Some(cctx)) => {
                 let pass = self.answer_pass(
@@ -773,7 +778,7 @@ impl Trainer {
                 )?;
                 Ok((pass.logprobs.to_vec1()?, cctx.len() + ex.answer_ids.len()))
             }
-            _ => Ok((s_lp.to_vec(), 0)),
+            _ => Ok((student()?, 0)),
         }
     }
 
@@ -907,8 +912,7 @@ impl Trainer {
                 .to_vec1()?)
         };
         let t_lp = pass(tctx, &self.teacher)?;
-        let s_lp = pass(&ex.context_ids, &self.policy)?;
-        let (r_lp, _) = self.edit_reference(ex, &s_lp)?;
+        let (r_lp, _) = self.edit_reference(ex, || pass(&ex.context_ids, &self.policy))?;
         let mut counts = TeacherAnswerCounts::default();
         Ok(Some(
             self.teacher_edit(tctx, ex, &t_lp, &r_lp, &mut counts)?
@@ -1045,7 +1049,7 @@ impl Trainer {
                         report.tokens += tctx.len() + n;
                         let t = teacher.insert(teacher_pass(self)?);
                         let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
-                        let (r_lp, r_tokens) = self.edit_reference(ex, &s_lp)?;
+                        let (r_lp, r_tokens) = self.edit_reference(ex, || Ok(s_lp.clone()))?;
                         report.tokens += r_tokens;
                         let c = teacher_counts.get_or_insert_with(Default::default);
                         let own = self.teacher_edit(tctx, ex, &t_lp, &r_lp, c)?.target;
@@ -1474,6 +1478,13 @@ mod tests {
             .unwrap()
     }
 
+    /// The teacher's logits over `ans` after `ctx` from one full pass (no graph).
+    fn teacher_logits(tr: &Trainer, ctx: &[u32], ans: &[u32]) -> Tensor {
+        tr.answer_pass(ctx, ans, &AdapterSelection::All(tr.teacher()), false)
+            .unwrap()
+            .logits
+    }
+
     fn logprob_of(tr: &Trainer, ctx: &[u32], ans: &[u32]) -> f64 {
         logprob_under(tr, tr.policy(), ctx, ans)
     }
@@ -1636,10 +1647,7 @@ mod tests {
         assert!(["a", "b", "c"].contains(&v["k"].as_str().unwrap()), "{doc}");
         assert_eq!(doc.len() + 1, own.ids.len(), "{doc}: one char per token");
         // The decoding's logits are the teacher's at the positions that predict the answer.
-        let full = tr
-            .answer_pass(&tctx, &own.ids, &AdapterSelection::All(tr.teacher()), false)
-            .unwrap()
-            .logits;
+        let full = teacher_logits(&tr, &tctx, &own.ids);
         let diff = max_abs_diff(&full, &own.logits);
         assert!(diff < 1e-3, "decode vs full-pass logits differ by {diff}");
         // A limit too short to close the document falls back (None), it does not truncate.
@@ -1754,15 +1762,7 @@ mod tests {
             ids(text),
             "one char per token, then the end of turn"
         );
-        let full = tr
-            .answer_pass(
-                &tctx,
-                &spelled.ids,
-                &AdapterSelection::All(tr.teacher()),
-                false,
-            )
-            .unwrap()
-            .logits;
+        let full = teacher_logits(&tr, &tctx, &spelled.ids);
         let diff = max_abs_diff(&full, &spelled.logits);
         assert!(diff < 1e-3, "spelling vs full-pass logits differ by {diff}");
         assert!(
@@ -1878,11 +1878,7 @@ mod tests {
         );
         // The decoding's logits are 2.5·teacher − 1.5·control, both teacher passes over the
         // answer after their own prompts.
-        let full = |ctx: &[u32]| {
-            tr.answer_pass(ctx, &own.ids, &AdapterSelection::All(tr.teacher()), false)
-                .unwrap()
-                .logits
-        };
+        let full = |ctx: &[u32]| teacher_logits(&tr, ctx, &own.ids);
         let want = ((full(&tctx) * 2.5).unwrap() - (full(&cctx) * 1.5).unwrap()).unwrap();
         let diff = max_abs_diff(&want, &own.logits);
         assert!(
@@ -1899,15 +1895,7 @@ mod tests {
             tr.cfg.teacher_contrast = alpha;
             let ctl = (alpha == 0.0).then_some(cctx.as_slice());
             let plain = tr.teacher_answer(&tctx, ctl, Some(&rf)).unwrap().unwrap();
-            let full = tr
-                .answer_pass(
-                    &tctx,
-                    &plain.ids,
-                    &AdapterSelection::All(tr.teacher()),
-                    false,
-                )
-                .unwrap()
-                .logits;
+            let full = teacher_logits(&tr, &tctx, &plain.ids);
             assert!(max_abs_diff(&full, &plain.logits) < 1e-3, "α = {alpha}");
         }
     }
