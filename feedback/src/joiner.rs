@@ -13,7 +13,7 @@
 //! Semantics: feedback applies to a turn when `feedback time - interaction time <= window`
 //! (feedback may also come first: it waits for its target up to `unknown_target_grace_ms`,
 //! then goes to the dead-letter topic as `unknown_target`); feedback outside the window is
-//! dead-lettered as `expired_target`; duplicates (same feedback id) count once; a retraction
+//! dead-lettered as `expired_target`, whichever of the two came first; duplicates (same feedback id) count once; a retraction
 //! removes the feedback it names and re-emits the turn. Episode-level feedback applies to every
 //! turn of the episode, including turns that arrive later within the window. Every emission for
 //! a turn supersedes the previous one (the latest record per `turn` is the truth; a turn whose
@@ -641,7 +641,8 @@ impl Joiner {
         }))
     }
 
-    /// Dead-letters pending feedback whose target never arrived within the grace period.
+    /// Dead-letters pending feedback whose target never arrived within the grace period
+    /// (`unknown_target`), or arrived but too old for it (`expired_target`).
     async fn sweep(&self, conn: &mut ConnectionManager) -> Result<Vec<Output>, FeedbackError> {
         let due: Vec<String> = conn
             .zrangebyscore_limit(self.k("pending"), "-inf", now_ms(), 0, 1000)
@@ -652,13 +653,32 @@ impl Joiner {
                 let _: () = conn.zrem(self.k("pending"), &member).await?;
                 continue;
             };
-            if !self.turns_of(conn, tkey).await?.is_empty() {
-                // The target arrived meanwhile; the feedback was joined then.
-                let _: () = conn.zrem(self.k("pending"), &member).await?;
-                continue;
-            }
             let fb_key = self.k(&format!("fb:{tkey}"));
             let raw: Option<String> = conn.hget(&fb_key, fid).await?;
+            let turns = self.turns_of(conn, tkey).await?;
+            let reason = if turns.is_empty() {
+                "unknown_target"
+            } else {
+                // The target arrived after its feedback. It was joined then if the feedback falls
+                // inside its window; otherwise it joined nothing and is as late as feedback that
+                // came after an expired target (`apply_feedback`), so it is dead-lettered alike.
+                let f = raw
+                    .as_deref()
+                    .and_then(|s| serde_json::from_str::<FeedbackRecord>(s).ok());
+                let mut joined = f.is_none();
+                if let Some(f) = &f {
+                    for t in &turns {
+                        if let Some(i) = self.load_turn(conn, *t).await? {
+                            joined |= self.within_window(&i, f);
+                        }
+                    }
+                }
+                if joined {
+                    let _: () = conn.zrem(self.k("pending"), &member).await?;
+                    continue;
+                }
+                "expired_target"
+            };
             let record = raw
                 .and_then(|s| serde_json::from_str::<Value>(&s).ok())
                 .unwrap_or(Value::Null);
@@ -666,10 +686,7 @@ impl Joiner {
                 let _: () = conn.zrem(self.k("pending"), &member).await?;
                 continue;
             };
-            match self
-                .dead_letter(conn, fid_u, "unknown_target", record)
-                .await?
-            {
+            match self.dead_letter(conn, fid_u, reason, record).await? {
                 Some(mut o) => {
                     o.pending_member = Some((member.clone(), fb_key, fid.to_string()));
                     out.push(o);

@@ -308,7 +308,11 @@ async fn joins_early_late_duplicate_retracted_and_episode_feedback() {
     );
 
     // Dead letters: the late one (expired target) and the one whose target never came.
-    let dl = read_until(&lcfg, Topic::DeadLetter, |r| r.len() >= 2).await;
+    let dl = read_until(&lcfg, Topic::DeadLetter, |r| {
+        let seen = dead_lettered(r);
+        seen.contains(&f_late.feedback_id) && seen.contains(&f_unknown.feedback_id)
+    })
+    .await;
     let reasons: HashMap<String, String> = dl
         .iter()
         .map(|(_, _, v)| {
@@ -323,6 +327,82 @@ async fn joins_early_late_duplicate_retracted_and_episode_feedback() {
         reasons[&f_unknown.feedback_id.to_string()],
         "unknown_target"
     );
+    let _ = stop.send(());
+    task.await.unwrap();
+    log.shutdown(Duration::from_secs(10)).await;
+}
+
+/// The feedback ids among dead letters read so far (the topic is shared by every test).
+fn dead_lettered(recs: &[(Uuid, Option<String>, Value)]) -> HashSet<Uuid> {
+    recs.iter()
+        .filter_map(|(_, _, v)| v["feedback_id"].as_str()?.parse().ok())
+        .collect()
+}
+
+/// Feedback that comes first and waits for its target, whose interaction then turns out to be
+/// older than the window: it joins nothing and is dead-lettered as `expired_target`, exactly as
+/// when the order is reversed (the other test can see either order: they are different topics).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn feedback_waiting_for_a_target_that_arrives_expired_is_dead_lettered() {
+    let (log, h, lcfg, _spill) = log().await;
+    let now = hindsight_feedback::now_ms();
+    let old = interaction(
+        &unique("ep"),
+        EpisodeSource::Header,
+        json!([{"role": "user", "content": "hi"}]),
+        json!({"role": "assistant", "content": "old"}),
+        now - 8 * DAY_MS,
+    );
+    let f = feedback(
+        FeedbackTarget::Interaction(old.interaction_id),
+        FeedbackValue::Thumbs(false),
+        now,
+    );
+    put_feedback(&h, &f);
+
+    // A grace long enough for the interaction to land while the feedback is still pending.
+    let group = unique("joiner");
+    let prefix = format!("{}:", unique("join"));
+    let cfg = JoinerConfig {
+        unknown_target_grace_ms: 15_000,
+        ..joiner_config(&group, &prefix)
+    };
+    let (stop, task) = spawn_joiner(cfg, lcfg.clone());
+    let redis = redis::Client::open(redis_url()).unwrap();
+    let mut conn = redis.get_multiplexed_async_connection().await.unwrap();
+    let member = format!("{}|i:{}", f.feedback_id, old.interaction_id);
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let score: Option<f64> = redis::cmd("ZSCORE")
+            .arg(format!("{prefix}pending"))
+            .arg(&member)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        if score.is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the joiner never parked the feedback"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        hindsight_feedback::now_ms() < now + 15_000,
+        "the feedback was parked too late for this test to order the interaction after it"
+    );
+    put_interaction(&h, &old);
+
+    let dl = read_until(&lcfg, Topic::DeadLetter, |r| {
+        dead_lettered(r).contains(&f.feedback_id)
+    })
+    .await;
+    let reason = dl
+        .iter()
+        .find(|(_, _, v)| v["feedback_id"].as_str() == Some(f.feedback_id.to_string().as_str()))
+        .map(|(_, _, v)| v["reason"].clone());
+    assert_eq!(reason, Some(json!("expired_target")));
     let _ = stop.send(());
     task.await.unwrap();
     log.shutdown(Duration::from_secs(10)).await;
