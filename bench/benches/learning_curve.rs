@@ -23,6 +23,8 @@
 //! #   EDIT_BASELINE=student|control  (what the edit compares the teacher shown the feedback with:
 //! #     the student, or the teacher shown a content-free critique)
 //! #   CONTRAST=0  (α of the teacher's decoding contrasted with the content-free critique)
+//! #   EDIT_MIN_LOGPROB=<nats>  (distil only on edit targets whose values the teacher gives at
+//! #     least this joint log-probability; default: every target)
 //! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
@@ -128,6 +130,11 @@ async fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("EDIT_BASELINE={b}: student or control"))?;
         }
         cfg.teacher_contrast = env("CONTRAST", cfg.teacher_contrast);
+        cfg.edit_min_target_logprob = std::env::var("EDIT_MIN_LOGPROB")
+            .ok()
+            .map(|v| v.parse())
+            .transpose()
+            .context("EDIT_MIN_LOGPROB: a log-probability in nats (<= 0)")?;
         cfg.edit_margin_nats = std::env::var("EDIT_MARGIN")
             .ok()
             .and_then(|v| v.parse().ok());

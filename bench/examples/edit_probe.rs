@@ -16,10 +16,16 @@
 //! answers (a field flagged at margin m takes the teacher's value), as the trainer builds them.
 //! Printed per configuration and margin: recall (wrong fields flagged), false alarms (right
 //! fields flagged), and the share of target fields and of whole targets that are right, next
-//! to the logged answers'.
+//! to the logged answers'. Then, per configuration, how well the teacher's confidence in a
+//! target (margin 0) tells right targets from wrong ones: the targets ranked by their joint
+//! value log-probability ([`EditPreview::target_logprob`], what `edit_min_target_logprob`
+//! filters on) and by their least likely value, and for the most confident 100/75/50/25% the
+//! floor that keeps them and how many of their fields and whole targets are right.
 //!
 //! ```sh
-//! cargo run --release -p hindsight-bench --example edit_probe -- [N]
+//! cargo run --release -p hindsight-bench --example edit_probe -- [N] [REF:α,…]
+//! # e.g. only the control reference with contrast 1 and the student with none:
+//! cargo run --release -p hindsight-bench --example edit_probe -- 24 control:1,student:0
 //! ```
 use std::sync::Arc;
 
@@ -55,6 +61,10 @@ struct Seen {
     shifts: Vec<(String, f64, bool)>,
     /// The teacher's own answer (decoded whenever some shift is below 0).
     teacher: Option<String>,
+    /// The target the trainer built (margin 0): the edit, else the logged answer.
+    target: String,
+    /// The teacher's log-probability of each of the target's values.
+    confidence: Vec<(String, f64)>,
 }
 
 fn episode(msgs: &[Value], answer: &str, fb: &str) -> EpisodeRecord {
@@ -107,6 +117,9 @@ fn is_wrong(text: &str, field: &str, expected: &Value) -> bool {
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(40);
+    let wanted = args
+        .next()
+        .unwrap_or_else(|| "student:0,control:0,student:1,control:1".into());
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let bundle = ModelBundle::load(
         &root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -125,19 +138,26 @@ fn main() -> anyhow::Result<()> {
     let decoding = TeacherDecoding {
         vocab: Arc::new(grammar_vocab(&tokenizer, config.vocab_size)),
         end_of_turn,
+        tokenizer: Some(Arc::new(tokenizer.clone())),
     };
     let model = Arc::new(model);
-    let variants = [
-        ("student", EditBaseline::Student, 0.0),
-        ("control", EditBaseline::Control, 0.0),
-        ("student", EditBaseline::Student, 1.0),
-        ("control", EditBaseline::Control, 1.0),
-    ]
-    .map(|(name, baseline, contrast)| EditVariant {
-        name: format!("reference {name}, contrast α {contrast}"),
-        baseline,
-        contrast,
-    });
+    let variants: Vec<EditVariant> = wanted
+        .split(',')
+        .map(|v| {
+            let (name, contrast) = v.split_once(':').context("variants are REF:α")?;
+            let baseline = match name {
+                "student" => EditBaseline::Student,
+                "control" => EditBaseline::Control,
+                other => anyhow::bail!("unknown reference {other:?} (student or control)"),
+            };
+            let contrast: f64 = contrast.parse()?;
+            Ok(EditVariant {
+                name: format!("reference {name}, contrast α {contrast}"),
+                baseline,
+                contrast,
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
     let trainers: Vec<Trainer> = variants
         .iter()
         .map(|v| {
@@ -232,13 +252,17 @@ fn main() -> anyhow::Result<()> {
         eprintln!("{} logged {logged} | {fb}", ticket.ticket_id);
         for (tr, seen) in trainers.iter().zip(&mut seen) {
             let Some(EditPreview {
-                shifts, teacher, ..
+                shifts,
+                teacher,
+                edited,
+                confidence,
+                ..
             }) = tr.edit_preview(&ex)?
             else {
                 continue;
             };
             eprintln!(
-                "  {:>3.1} {:?}: shifts {shifts:?} teacher {}",
+                "  {:>3.1} {:?}: shifts {shifts:?} teacher {} confidence {confidence:?}",
                 tr.config().teacher_contrast,
                 tr.config().edit_baseline,
                 teacher.as_deref().unwrap_or("-"),
@@ -252,6 +276,8 @@ fn main() -> anyhow::Result<()> {
                     })
                     .collect(),
                 teacher,
+                target: edited.unwrap_or_else(|| logged.clone()),
+                confidence,
             });
         }
     }
@@ -321,6 +347,45 @@ fn main() -> anyhow::Result<()> {
                 pct(fields_right, wrongs + rights),
                 pct(targets_right, seen.len()),
             );
+        }
+    }
+
+    println!("\nConfidence of the targets (margin 0): the most confident share of them");
+    println!("| edit | ranked by | kept | floor (nats) | target fields right | targets right |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: |");
+    type Score = fn(&[(String, f64)]) -> f64;
+    let rankings: [(&str, Score); 2] = [
+        ("joint log p", |c| c.iter().map(|(_, x)| x).sum()),
+        ("least likely value", |c| {
+            c.iter().map(|(_, x)| *x).fold(0.0, f64::min)
+        }),
+    ];
+    for (v, seen) in variants.iter().zip(&seen) {
+        for (ranking, score) in rankings {
+            let mut scored: Vec<(f64, usize)> = seen
+                .iter()
+                .zip(&logged_answers)
+                .map(|(s, (_, expected))| {
+                    (
+                        score(&s.confidence),
+                        right_fields(&(s.target.clone(), expected.clone())),
+                    )
+                })
+                .collect();
+            scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+            for share in [1.0, 0.75, 0.5, 0.25] {
+                let kept = ((scored.len() as f64 * share).round() as usize).max(1);
+                let top = &scored[..kept.min(scored.len())];
+                let Some(floor) = top.last().map(|(x, _)| *x) else {
+                    continue;
+                };
+                println!(
+                    "| {} | {ranking} | {kept} | {floor:.2} | {:.0}% | {:.0}% |",
+                    v.name,
+                    pct(top.iter().map(|(_, r)| r).sum(), 3 * top.len()),
+                    pct(top.iter().filter(|(_, r)| *r == 3).count(), top.len()),
+                );
+            }
         }
     }
     Ok(())

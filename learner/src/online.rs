@@ -470,6 +470,7 @@ pub async fn run_learner(
         trainer.set_decoding(TeacherDecoding {
             vocab: Arc::new(grammar_vocab(&tokenizer, model_cfg.vocab_size)),
             end_of_turn,
+            tokenizer: Some(Arc::new(tokenizer.clone())),
         });
     }
     let store = CheckpointStore::open(&cfg.checkpoint_dir, cfg.keep_checkpoints)?;

@@ -30,6 +30,8 @@ use crate::objectives::{
 };
 use crate::ops;
 use crate::optim::{AdamW, AdamWConfig};
+use crate::tokenizer::encode;
+use tokenizers::Tokenizer;
 
 /// Weight of each objective in the mixed loss (0 turns one off).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -146,6 +148,14 @@ pub struct TrainerConfig {
     /// Evidence"). 0 = plain greedy; examples without a control context decode plainly.
     #[serde(default)]
     pub teacher_contrast: f64,
+    /// [`DistillTarget::Edit`]: distil only on targets the teacher is confident in as a whole.
+    /// A target's confidence is the teacher's (shown the feedback) joint log-probability of
+    /// its field values, summed over every value's tokens (nats; see
+    /// [`EditPreview::confidence`]); an example whose target falls below this is not distilled
+    /// on (counted in [`TeacherAnswerCounts::unconfident`]). Trades examples for target
+    /// precision. `None` = every target is used.
+    #[serde(default)]
+    pub edit_min_target_logprob: Option<f64>,
 }
 
 /// [`DistillTarget::Edit`]: the reference a logged value's log-probability under the teacher
@@ -185,8 +195,8 @@ pub enum DistillTarget {
     /// feedback minus student, summed over the value's tokens); its new value is the one in
     /// the teacher's own greedy answer (decoded as with `teacher`). Fields the feedback does
     /// not speak against keep the logged value, so the teacher's prior does not replace them.
-    /// The edited answer is laid out as the logged one and tokenized by the teacher (its most
-    /// likely token at each step among those that continue the text). Answers that are not
+    /// The edited answer is laid out as the logged one and encoded by the model's tokenizer
+    /// ([`TeacherDecoding::tokenizer`]; without one the teacher spells it). Answers that are not
     /// JSON objects, or that no field of is changed, are distilled on as logged. The refined
     /// answer of learning from language feedback (Scheurer et al. 2023), made by the model's
     /// own hindsight teacher.
@@ -267,6 +277,7 @@ impl Default for TrainerConfig {
             target_ce_weight: 0.0,
             edit_baseline: EditBaseline::default(),
             teacher_contrast: 0.0,
+            edit_min_target_logprob: None,
         }
     }
 }
@@ -309,6 +320,14 @@ impl TrainerConfig {
         }
         if !(self.teacher_contrast.is_finite() && self.teacher_contrast >= 0.0) {
             return Err(bad("teacher_contrast must be a finite number >= 0"));
+        }
+        if self
+            .edit_min_target_logprob
+            .is_some_and(|x| !(x.is_finite() && x <= 0.0))
+        {
+            return Err(bad(
+                "edit_min_target_logprob must be a finite number <= 0 (a log-probability)",
+            ));
         }
         Ok(())
     }
@@ -373,6 +392,10 @@ pub struct TeacherAnswerCounts {
     /// With `edit`: fields whose value was replaced by the teacher's.
     #[serde(default)]
     pub edited_fields: usize,
+    /// With `edit` and `edit_min_target_logprob`: examples not distilled on because the
+    /// teacher's confidence in their target was below it.
+    #[serde(default)]
+    pub unconfident: usize,
 }
 
 /// Tokens the teacher needs to decode its own answer: the text of every token (for the
@@ -385,6 +408,13 @@ pub struct TeacherDecoding {
     /// The end-of-turn token appended after a finished answer (and the stop token of an
     /// unconstrained one).
     pub end_of_turn: u32,
+    /// The model's tokenizer: a [`DistillTarget::Edit`] target is encoded by it, as any text
+    /// is (the tokens the model reads and writes such text in), and scored in one teacher
+    /// pass. Without it the teacher spells the edit itself (its most likely token among those
+    /// that continue the text), which, where the teacher disagrees with the text, wanders
+    /// into tokenizations nobody writes (`"ret"` + `"urns"` for `"returns"` when it expects
+    /// `"retention"`): improbable tokens to train on.
+    pub tokenizer: Option<Arc<Tokenizer>>,
 }
 
 /// A teacher's decoded answer and its logits at the positions that predict it.
@@ -408,6 +438,59 @@ pub struct EditPreview {
     pub teacher: Option<String>,
     /// The edited answer trained on, when it differs from the logged one.
     pub edited: Option<String>,
+    /// Per top-level field of the target (the edited answer, else the logged one): the
+    /// teacher's log-probability of its value given the feedback, summed over the value's
+    /// tokens (nats). Their sum is [`EditPreview::target_logprob`].
+    #[serde(default)]
+    pub confidence: Vec<(String, f64)>,
+}
+
+impl EditPreview {
+    /// The teacher's joint log-probability of the target's field values (0 for an answer
+    /// that is not a JSON object): what `edit_min_target_logprob` is compared with.
+    pub fn target_logprob(&self) -> f64 {
+        self.confidence.iter().map(|(_, lp)| lp).sum()
+    }
+}
+
+/// The text of `ids` and each token's byte range in it (the end-of-turn token is empty).
+fn answer_text(dec: &TeacherDecoding, ids: &[u32]) -> (String, Vec<std::ops::Range<usize>>) {
+    let mut text = String::new();
+    let mut spans = Vec::with_capacity(ids.len());
+    for &id in ids {
+        let start = text.len();
+        if id != dec.end_of_turn {
+            text.push_str(
+                dec.vocab
+                    .get(id as usize)
+                    .and_then(|t| t.as_deref())
+                    .unwrap_or(""),
+            );
+        }
+        spans.push(start..text.len());
+    }
+    (text, spans)
+}
+
+/// Per field of `fields`: the sum of `values` over the tokens (byte ranges `tokens`, in
+/// step with `values`) that overlap the field's value.
+fn field_sums(
+    fields: &[(String, std::ops::Range<usize>)],
+    tokens: &[std::ops::Range<usize>],
+    values: &[f64],
+) -> Vec<(String, f64)> {
+    fields
+        .iter()
+        .map(|(key, value)| {
+            let sum = tokens
+                .iter()
+                .zip(values)
+                .filter(|(tok, _)| tok.start < value.end && tok.end > value.start)
+                .map(|(_, x)| x)
+                .sum();
+            (key.clone(), sum)
+        })
+        .collect()
 }
 
 /// An edit and the teacher's spelling of it (the distillation target).
@@ -750,6 +833,27 @@ impl Trainer {
         })
     }
 
+    /// An edit's text as a target: its tokens and the teacher's logits that predict them. With
+    /// the tokenizer ([`TeacherDecoding::tokenizer`]) the text's own tokens, scored in one
+    /// teacher pass; without it, as the teacher spells it ([`Trainer::teacher_spells`]).
+    /// `None` when the answer does not fit `teacher_answer_max_tokens` or cannot be spelled.
+    fn edit_tokens(&self, tctx: &[u32], text: &str) -> Result<Option<TeacherAnswer>> {
+        let dec = self.decoding()?;
+        let Some(tokenizer) = &dec.tokenizer else {
+            return self.teacher_spells(tctx, text);
+        };
+        let mut ids = encode(tokenizer, text)?;
+        ids.push(dec.end_of_turn);
+        if ids.len() > self.cfg.teacher_answer_max_tokens {
+            return Ok(None);
+        }
+        let pass = self.answer_pass(tctx, &ids, &AdapterSelection::All(&self.teacher), false)?;
+        Ok(Some(TeacherAnswer {
+            logits: pass.logits,
+            ids,
+        }))
+    }
+
     /// Tokens the control stream of a contrasted decoding of `answer_len` tokens costs (0
     /// when the decoding is not contrasted).
     fn control_decode_tokens(&self, ex: &TrainExample, answer_len: usize) -> usize {
@@ -783,10 +887,40 @@ impl Trainer {
     }
 
     /// [`DistillTarget::Edit`]: the logged answer with the fields the feedback speaks against
-    /// given the teacher's values (see the variant). `t_lp` are the teacher's log-probs of the
-    /// logged tokens, `r_lp` the reference's ([`Trainer::edit_reference`]). The outcome's
-    /// `target` is `None` when the logged answer is distilled on as it is.
+    /// given the teacher's values (see the variant), and the teacher's confidence in each of
+    /// the target's values. `t_lp` are the teacher's log-probs of the logged tokens, `r_lp`
+    /// the reference's ([`Trainer::edit_reference`]). The outcome's `target` is `None` when
+    /// the logged answer is distilled on as it is.
     fn teacher_edit(
+        &self,
+        tctx: &[u32],
+        ex: &TrainExample,
+        t_lp: &[f32],
+        r_lp: &[f32],
+        counts: &mut TeacherAnswerCounts,
+    ) -> Result<EditOutcome> {
+        let mut out = self.edit_target(tctx, ex, t_lp, r_lp, counts)?;
+        let dec = self.decoding()?;
+        // The teacher's log-probs of the target's tokens: from the pass that spelled an edit,
+        // or the pass over the logged answer.
+        let (ids, lps): (&[u32], Vec<f64>) = match &out.target {
+            Some(a) => {
+                let ids = Tensor::from_slice(&a.ids, a.ids.len(), a.logits.device())?;
+                let lps: Vec<f32> =
+                    token_logprobs(&a.logits.to_dtype(DType::F32)?, &ids)?.to_vec1()?;
+                (&a.ids, lps.into_iter().map(f64::from).collect())
+            }
+            None => (&ex.answer_ids, t_lp.iter().map(|x| f64::from(*x)).collect()),
+        };
+        let (text, tokens) = answer_text(dec, ids);
+        if let Some(fields) = object_value_spans(&text) {
+            out.preview.confidence = field_sums(&fields, &tokens, &lps);
+        }
+        Ok(out)
+    }
+
+    /// The target of [`Trainer::teacher_edit`], without the confidence.
+    fn edit_target(
         &self,
         tctx: &[u32],
         ex: &TrainExample,
@@ -806,13 +940,7 @@ impl Trainer {
             }
         };
         // The logged answer's text and each token's byte range in it.
-        let mut logged = String::new();
-        let mut token_spans = Vec::with_capacity(ex.answer_ids.len());
-        for &id in &ex.answer_ids {
-            let start = logged.len();
-            logged.push_str(piece(id));
-            token_spans.push(start..logged.len());
-        }
+        let (logged, token_spans) = answer_text(dec, &ex.answer_ids);
         let mut out = EditOutcome {
             preview: EditPreview {
                 logged: logged.clone(),
@@ -823,18 +951,12 @@ impl Trainer {
         let Some(fields) = object_value_spans(&logged) else {
             return Ok(out);
         };
-        out.preview.shifts = fields
+        let gaps: Vec<f64> = t_lp
             .iter()
-            .map(|(key, value)| {
-                let shift = token_spans
-                    .iter()
-                    .zip(t_lp.iter().zip(r_lp))
-                    .filter(|(tok, _)| tok.start < value.end && tok.end > value.start)
-                    .map(|(_, (t, r))| f64::from(*t) - f64::from(*r))
-                    .sum();
-                (key.clone(), shift)
-            })
+            .zip(r_lp)
+            .map(|(t, r)| f64::from(*t) - f64::from(*r))
             .collect();
+        out.preview.shifts = field_sums(&fields, &token_spans, &gaps);
         debug!(
             record = %ex.record_id,
             logged = %logged,
@@ -887,7 +1009,7 @@ impl Trainer {
         }
         target.push_str(&logged[at..]);
         debug!(record = %ex.record_id, edited = %target, "The teacher's edit of the logged answer.");
-        let Some(spelled) = self.teacher_spells(tctx, &target)? else {
+        let Some(spelled) = self.edit_tokens(tctx, &target)? else {
             counts.fallback += 1;
             return Ok(out);
         };
@@ -1029,6 +1151,8 @@ impl Trainer {
                     )
                 };
                 let mut teacher = None;
+                // An edit target the teacher is not confident in: no distillation here.
+                let mut unconfident = false;
                 let own = match &ex.teacher_context_ids {
                     Some(tctx) if w.distill > 0.0 && target == DistillTarget::Teacher => {
                         let control = ex.control_context_ids.as_deref();
@@ -1052,12 +1176,25 @@ impl Trainer {
                         let (r_lp, r_tokens) = self.edit_reference(ex, || Ok(s_lp.clone()))?;
                         report.tokens += r_tokens;
                         let c = teacher_counts.get_or_insert_with(Default::default);
-                        let own = self.teacher_edit(tctx, ex, &t_lp, &r_lp, c)?.target;
-                        if let Some(a) = &own {
+                        let edit = self.teacher_edit(tctx, ex, &t_lp, &r_lp, c)?;
+                        if let Some(a) = &edit.target {
                             report.tokens += 2 * (tctx.len() + a.ids.len());
                             report.tokens += self.control_decode_tokens(ex, a.ids.len());
                         }
-                        own
+                        let confidence = edit.preview.target_logprob();
+                        debug!(record = %ex.record_id, per_field = ?edit.preview.confidence, confidence, "The teacher's confidence in the target's values (log p, nats).");
+                        if self
+                            .cfg
+                            .edit_min_target_logprob
+                            .is_some_and(|min| confidence < min)
+                        {
+                            debug!(record = %ex.record_id, confidence, "Edit target below the confidence floor; not distilled on.");
+                            c.unconfident += 1;
+                            unconfident = true;
+                            None
+                        } else {
+                            edit.target
+                        }
                     }
                     _ => None,
                 };
@@ -1073,6 +1210,7 @@ impl Trainer {
                 // it is the logged answer) or on the logged one. A target that is not the logged
                 // answer may also be learned as hard targets (`target_ce_weight`).
                 let on_own = match &own {
+                    _ if unconfident => None,
                     Some(a) if a.ids == ex.answer_ids => Some((student.logits.clone(), &a.logits)),
                     Some(a) => {
                         report.tokens += ex.context_ids.len() + a.ids.len();
@@ -1091,7 +1229,8 @@ impl Trainer {
                         .as_ref()
                         .map(|t| (student.logits.clone(), &t.logits))
                 });
-                if let (Some((s_logits, t_logits)), true) = (pair, w.distill > 0.0) {
+                if let (Some((s_logits, t_logits)), true) = (pair, w.distill > 0.0 && !unconfident)
+                {
                     let d = mean(&distill_loss(
                         &s_logits,
                         t_logits,
@@ -1615,6 +1754,7 @@ mod tests {
         let dec = TeacherDecoding {
             vocab: Arc::new(vocab),
             end_of_turn: 31,
+            tokenizer: None,
         };
         (dec, rf, text)
     }
@@ -1697,7 +1837,8 @@ mod tests {
                     decoded: 1,
                     changed: 1,
                     fallback: 0,
-                    edited_fields: 0
+                    edited_fields: 0,
+                    unconfident: 0,
                 })
             );
         }
@@ -1772,6 +1913,87 @@ mod tests {
     }
 
     #[test]
+    fn with_a_tokenizer_the_edit_is_its_own_tokens_scored_by_the_teacher() {
+        // guided_pair's vocabulary plus one token per quoted value (`"a"`, …) and the merges
+        // that make it: the tokenizer writes a value as one token, the teacher could spell it
+        // character by character.
+        let (mut dec, rf, ids) = guided_pair();
+        let mut vocab = (*dec.vocab).clone();
+        let mut merges = Vec::new();
+        for (i, v) in ["a", "b", "c"].into_iter().enumerate() {
+            vocab[11 + 2 * i] = Some(format!("\"{v}"));
+            vocab[12 + 2 * i] = Some(format!("\"{v}\""));
+            merges.push(format!("\" {v}"));
+            merges.push(format!("\"{v} \""));
+        }
+        let map: serde_json::Map<String, serde_json::Value> = vocab
+            .iter()
+            .enumerate()
+            .filter_map(|(i, t)| Some((t.clone()?, serde_json::json!(i))))
+            .collect();
+        let tokenizer: Tokenizer = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "vocab": map, "merges": merges}
+        })
+        .to_string()
+        .parse()
+        .unwrap();
+        dec.vocab = Arc::new(vocab);
+        dec.tokenizer = Some(Arc::new(tokenizer.clone()));
+        let mut tr = Trainer::new(model(), distill_on(DistillTarget::Edit), "p").unwrap();
+        tr.set_decoding(dec);
+        let mut ex = example(7, false, true, None);
+        ex.answer_format = Some(rf.clone());
+        let tctx = ex.teacher_context_ids.clone().unwrap();
+        // Logged: the teacher's own answer with both values changed; `j` is spoken against.
+        let own = tr.teacher_answer(&tctx, None, Some(&rf)).unwrap().unwrap();
+        let own = text_of(&tr.decoding().unwrap().vocab, &own.ids);
+        let own: serde_json::Value = serde_json::from_str(&own).unwrap();
+        let other = |f: &str| ["a", "b", "c"].into_iter().find(|v| own[f] != *v).unwrap();
+        let logged = format!(r#"{{"j": "{}", "k": "{}"}}"#, other("j"), other("k"));
+        ex.answer_ids = ids(&logged);
+        let s_lp = vec![-1.0f32; ex.answer_ids.len()];
+        let mut t_lp = s_lp.clone();
+        t_lp[7] -= 1.0;
+        let outcome = tr
+            .teacher_edit(
+                &tctx,
+                &ex,
+                &t_lp,
+                &s_lp,
+                &mut TeacherAnswerCounts::default(),
+            )
+            .unwrap();
+        let edited = outcome.preview.edited.clone().unwrap();
+        assert_eq!(
+            edited,
+            logged.replacen(other("j"), own["j"].as_str().unwrap(), 1)
+        );
+        let target = outcome.target.unwrap();
+        let mut want = encode(&tokenizer, &edited).unwrap();
+        want.push(31);
+        assert_eq!(
+            target.ids, want,
+            "the tokenizer's tokens, then the end of turn"
+        );
+        assert!(
+            target.ids.len() < ids(&edited).len(),
+            "each quoted value is one token: {:?}",
+            target.ids
+        );
+        let diff = max_abs_diff(&teacher_logits(&tr, &tctx, &target.ids), &target.logits);
+        assert!(
+            diff < 1e-4,
+            "edit logits vs a teacher pass differ by {diff}"
+        );
+        let conf = outcome.preview.confidence;
+        assert_eq!(conf.len(), 2, "{conf:?}");
+    }
+
+    #[test]
     fn the_teachers_edit_changes_only_the_fields_the_feedback_speaks_against() {
         let mut cfg = weights(0.0, 0.0, 1.0, 0.0);
         cfg.distill_target = DistillTarget::Edit;
@@ -1837,10 +2059,41 @@ mod tests {
                 decoded: 1,
                 changed: 1,
                 fallback: 0,
-                edited_fields: 1
+                edited_fields: 1,
+                unconfident: 0,
             }
         );
-        // Within the margin: nothing is decoded, the logged answer stays the target.
+        // The confidence in each value of the edit: the teacher's log-probs of its tokens, from
+        // a full pass over the edit (one character per token: token i is byte i).
+        let confidence_of = |doc: &str, lps: &[f32]| -> Vec<(String, f64)> {
+            object_value_spans(doc)
+                .unwrap()
+                .into_iter()
+                .map(|(k, span)| (k, span.map(|i| f64::from(lps[i])).sum()))
+                .collect()
+        };
+        let full: Vec<f32> = tr
+            .answer_pass(
+                &tctx,
+                &edit.ids,
+                &AdapterSelection::All(tr.teacher()),
+                false,
+            )
+            .unwrap()
+            .logprobs
+            .to_vec1()
+            .unwrap();
+        let want = confidence_of(&text(&edit.ids), &full);
+        let got = &outcome.preview.confidence;
+        assert_eq!(got.len(), 2, "{got:?}");
+        for ((k, x), (wk, wx)) in got.iter().zip(&want) {
+            assert_eq!(k, wk);
+            assert!((x - wx).abs() < 1e-3, "{k}: {x} vs {wx}");
+        }
+        let sum: f64 = want.iter().map(|(_, x)| x).sum();
+        assert!((outcome.preview.target_logprob() - sum).abs() < 1e-3);
+        // Within the margin: nothing is decoded, the logged answer stays the target, and the
+        // confidence is the teacher's log-probs of the logged values.
         t_lp[7] = s_lp[7] - 0.4;
         let mut counts = TeacherAnswerCounts::default();
         let outcome = tr
@@ -1848,6 +2101,12 @@ mod tests {
             .unwrap();
         assert!(outcome.target.is_none() && outcome.preview.flagged.is_empty());
         assert_eq!(counts, TeacherAnswerCounts::default());
+        let want = confidence_of(&logged, &t_lp);
+        assert!(
+            (want[0].1 + 3.4).abs() < 1e-5,
+            "the quoted value's three tokens, one lowered: {want:?}"
+        );
+        assert_eq!(outcome.preview.confidence, want);
         // An answer that is not a JSON object is not edited.
         ex.answer_ids = ids("abc");
         let short = vec![-2.0f32; ex.answer_ids.len()];
@@ -1954,6 +2213,46 @@ mod tests {
             (shift(&s, 0) - shift(&c, 0)).abs() > 1e-3,
             "the two references differ, so the test tells them apart"
         );
+    }
+
+    #[test]
+    fn an_edit_target_below_the_confidence_floor_is_not_distilled_on() {
+        let mut cfg = distill_on(DistillTarget::Edit);
+        cfg.edit_margin_nats = 0.0;
+        cfg.target_ce_weight = 1.0;
+        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        let (dec, rf, ids) = guided_pair();
+        tr.set_decoding(dec);
+        let mut ex = example(6, false, true, None);
+        ex.answer_format = Some(rf);
+        ex.answer_ids = ids(r#"{"j": "b", "k": "c"}"#);
+        let confidence = tr.edit_preview(&ex).unwrap().unwrap().target_logprob();
+        assert!(confidence < -0.5, "{confidence}");
+        // Just above the target's confidence: the example is counted and not distilled on.
+        tr.cfg.edit_min_target_logprob = Some(confidence + 0.1);
+        let before = logprob_of(&tr, &ex.context_ids, &ex.answer_ids);
+        let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+        assert_eq!(r.teacher_answers.unwrap().unconfident, 1, "{r:?}");
+        assert!(r.terms.is_empty(), "{r:?}");
+        assert!(r.skipped.is_some(), "nothing to learn: {r:?}");
+        assert_eq!(logprob_of(&tr, &ex.context_ids, &ex.answer_ids), before);
+        // Just below: the same example is distilled on.
+        tr.cfg.edit_min_target_logprob = Some(confidence - 0.1);
+        let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+        assert_eq!(r.teacher_answers.unwrap().unconfident, 0, "{r:?}");
+        assert!(
+            r.terms.contains_key("distill") && r.skipped.is_none(),
+            "{r:?}"
+        );
+        // The floor is a log-probability.
+        for floor in [0.5, f64::NAN, f64::NEG_INFINITY] {
+            let cfg = TrainerConfig {
+                edit_min_target_logprob: Some(floor),
+                ..TrainerConfig::default()
+            };
+            let err = cfg.check().unwrap_err().to_string();
+            assert!(err.contains("edit_min_target_logprob"), "{floor}: {err}");
+        }
     }
 
     #[test]
