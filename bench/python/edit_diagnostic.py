@@ -12,6 +12,7 @@ so from the log alone:
     below -margin; recall = criticized fields flagged, false alarms = uncriticized flagged;
   - edits: an edited value is right when it equals the stated value (criticized fields) or
     the logged value (uncriticized ones; any change there is an error).
+With `edit_min_target_logprob`, targets below the floor are reported apart (trained on or not).
 Usage: edit_diagnostic.py LOG [MARGIN=0.5]
 """
 import re
@@ -39,34 +40,47 @@ def main():
     path = sys.argv[1]
     margin = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
     shifts_rx = re.compile(r'\("(\w+)", (-?[\d.e-]+)\)')
-    pending = {}  # record -> (logged dict, shifts, stated)
-    rows = []  # (field, criticized, shift, flagged, logged value, edited value or None, stated)
-    last = None
+    examples = []  # one per training example with feedback, in log order
     for raw in open(path, errors="replace"):
         line = ANSI.sub("", raw)
+        rec = re.search(r"record=(\S+)", line)
         if "How the feedback shifts" in line:
-            rec = re.search(r"record=(\S+)", line).group(1)
             logged = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"logged=(\{.*?\})", line).group(1)))
             shifts = {k: float(v) for k, v in shifts_rx.findall(line)}
             fb = re.search(r'feedback="(.*)"', line)
-            stated = stated_values(fb.group(1) if fb else "")
-            if last is not None:
-                rows.extend(finish(*last, None, margin))
-            last = (logged, shifts, stated)
-        elif "teacher's edit of the logged answer" in line and last is not None:
-            edited = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"edited=(\{.*?\})", line).group(1)))
-            rows.extend(finish(*last, edited, margin))
-            last = None
-    if last is not None:
-        rows.extend(finish(*last, None, margin))
-    report(rows, margin)
+            examples.append({"rec": rec.group(1), "logged": logged, "shifts": shifts,
+                             "stated": stated_values(fb.group(1) if fb else ""),
+                             "edited": None, "kept": True})
+        elif "teacher's edit of the logged answer" in line and examples:
+            examples[-1]["edited"] = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"edited=(\{.*?\})", line).group(1)))
+        elif "below the confidence floor" in line and examples and rec and examples[-1]["rec"] == rec.group(1):
+            # edit_min_target_logprob: this target was not trained on.
+            examples[-1]["kept"] = False
+    rows = [list(finish(e, margin)) for e in examples]
+    report([r for ex in rows for r in ex], margin)
+    dropped = sum(not e["kept"] for e in examples)
+    if dropped:
+        print(f"\nbelow the confidence floor: {dropped} of {len(examples)} targets "
+              f"({100 * dropped / len(examples):.0f}%) not trained on")
+        for name, keep in (("targets trained on", True), ("targets dropped", False)):
+            group = [r for r, e in zip(rows, examples) if e["kept"] == keep]
+            whole = sum(all(ok for *_, ok in r) for r in group)
+            fields = [ok for r in group for *_, ok in r]
+            print(f"  {name}: {len(group)}, fields right {100 * sum(fields) / max(1, len(fields)):.0f}%, "
+                  f"whole targets right {whole} ({100 * whole / max(1, len(group)):.0f}%)")
+    whole = sum(all(ok for *_, ok in r) for r in rows)
+    print(f"whole targets right (all fields as the critique implies): {whole}/{len(rows)} "
+          f"({100 * whole / max(1, len(rows)):.0f}%)")
 
 
-def finish(logged, shifts, stated, edited, margin):
+def finish(e, margin):
+    logged, shifts, stated, edited = e["logged"], e["shifts"], e["stated"], e["edited"]
     for field, shift in shifts.items():
         flagged = shift < -margin
-        yield (field, field in stated, shift, flagged, logged.get(field),
-               edited.get(field) if edited else None, stated.get(field))
+        value = edited.get(field) if edited else None
+        truth = stated.get(field) if field in stated else logged.get(field)
+        ok = (value if value is not None else logged.get(field)) == truth
+        yield (field, field in stated, shift, flagged, logged.get(field), value, stated.get(field), ok)
 
 
 def report(rows, margin):
@@ -84,7 +98,7 @@ def report(rows, margin):
     # What the target ends up with, per field, against the critique.
     right = wrong = 0
     edited_right = edited_wrong = 0
-    for field, criticized, shift, flagged, logged, edited, stated in rows:
+    for field, criticized, shift, flagged, logged, edited, stated, _ in rows:
         value = edited if edited is not None else logged
         truth = stated if criticized else logged
         ok = value == truth
