@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
+use tokenizers::Tokenizer;
 use tracing::{debug, info_span, warn};
 
 use crate::error::{LearnerError, Result};
@@ -31,7 +32,6 @@ use crate::objectives::{
 use crate::ops;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::tokenizer::encode;
-use tokenizers::Tokenizer;
 
 /// Weight of each objective in the mixed loss (0 turns one off).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -929,16 +929,6 @@ impl Trainer {
         counts: &mut TeacherAnswerCounts,
     ) -> Result<EditOutcome> {
         let dec = self.decoding()?;
-        let piece = |id: u32| {
-            if id == dec.end_of_turn {
-                ""
-            } else {
-                dec.vocab
-                    .get(id as usize)
-                    .and_then(|t| t.as_deref())
-                    .unwrap_or("")
-            }
-        };
         // The logged answer's text and each token's byte range in it.
         let (logged, token_spans) = answer_text(dec, &ex.answer_ids);
         let mut out = EditOutcome {
@@ -984,7 +974,7 @@ impl Trainer {
             counts.fallback += 1;
             return Ok(out);
         };
-        let own_text: String = own.ids.iter().map(|&id| piece(id)).collect();
+        let (own_text, _) = answer_text(dec, &own.ids);
         out.preview.teacher = Some(own_text.clone());
         let Some(own_fields) = object_value_spans(&own_text) else {
             counts.fallback += 1;
@@ -1210,7 +1200,6 @@ impl Trainer {
                 // it is the logged answer) or on the logged one. A target that is not the logged
                 // answer may also be learned as hard targets (`target_ce_weight`).
                 let on_own = match &own {
-                    _ if unconfident => None,
                     Some(a) if a.ids == ex.answer_ids => Some((student.logits.clone(), &a.logits)),
                     Some(a) => {
                         report.tokens += ex.context_ids.len() + a.ids.len();
@@ -1890,6 +1879,18 @@ mod tests {
         (dec, rf, ids)
     }
 
+    /// A trainer distilling on the edit at margin 0 with `target_ce` hard targets, over
+    /// [`guided_pair`]'s vocabulary (with its response format and text-to-ids helper).
+    fn edit_trainer(target_ce: f64) -> (Trainer, OJson, impl Fn(&str) -> Vec<u32>) {
+        let mut cfg = distill_on(DistillTarget::Edit);
+        cfg.edit_margin_nats = 0.0;
+        cfg.target_ce_weight = target_ce;
+        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+        let (dec, rf, ids) = guided_pair();
+        tr.set_decoding(dec);
+        (tr, rf, ids)
+    }
+
     #[test]
     fn the_teacher_spells_a_given_text_with_its_logits() {
         let mut tr = Trainer::new(model(), weights(0.0, 0.0, 1.0, 0.0), "p").unwrap();
@@ -2161,11 +2162,7 @@ mod tests {
 
     #[test]
     fn the_edit_measures_the_feedback_against_the_student_or_the_control() {
-        let mut cfg = distill_on(DistillTarget::Edit);
-        cfg.edit_margin_nats = 0.0;
-        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
-        let (dec, rf, ids) = guided_pair();
-        tr.set_decoding(dec);
+        let (mut tr, rf, ids) = edit_trainer(0.0);
         let mut ex = example(5, false, true, None);
         ex.answer_format = Some(rf);
         ex.answer_ids = ids(r#"{"j": "a", "k": "b"}"#);
@@ -2217,12 +2214,7 @@ mod tests {
 
     #[test]
     fn an_edit_target_below_the_confidence_floor_is_not_distilled_on() {
-        let mut cfg = distill_on(DistillTarget::Edit);
-        cfg.edit_margin_nats = 0.0;
-        cfg.target_ce_weight = 1.0;
-        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
-        let (dec, rf, ids) = guided_pair();
-        tr.set_decoding(dec);
+        let (mut tr, rf, ids) = edit_trainer(1.0);
         let mut ex = example(6, false, true, None);
         ex.answer_format = Some(rf);
         ex.answer_ids = ids(r#"{"j": "b", "k": "c"}"#);
@@ -2270,12 +2262,7 @@ mod tests {
 
     #[test]
     fn a_step_on_the_teachers_edit_learns_it_with_hard_targets_too() {
-        let mut cfg = distill_on(DistillTarget::Edit);
-        cfg.edit_margin_nats = 0.0;
-        cfg.target_ce_weight = 1.0;
-        let mut tr = Trainer::new(model(), cfg, "p").unwrap();
-        let (dec, rf, ids) = guided_pair();
-        tr.set_decoding(dec);
+        let (mut tr, rf, ids) = edit_trainer(1.0);
         // Logged answers on every combination of values: with margin 0 some field of some
         // answer is always spoken against (the teacher's context differs from the student's).
         let mut changed = 0;
