@@ -13,6 +13,8 @@ so from the log alone:
   - edits: an edited value is right when it equals the stated value (criticized fields) or
     the logged value (uncriticized ones; any change there is an error).
 With `edit_min_target_logprob`, targets below the floor are reported apart (trained on or not).
+With a frozen teacher the trainer caches its edits (`teacher_cache_examples`): a replayed
+example is logged once, when its edit is made, so the counts here are per example, not per step.
 Usage: edit_diagnostic.py LOG [MARGIN=0.5]
 """
 import re

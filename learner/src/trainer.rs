@@ -156,6 +156,17 @@ pub struct TrainerConfig {
     /// precision. `None` = every target is used.
     #[serde(default)]
     pub edit_min_target_logprob: Option<f64>,
+    /// With a frozen teacher (`teacher_ema_rate = 0`): how many examples' teacher work to keep
+    /// for replay — the teacher's own answer ([`DistillTarget::Teacher`]), or the edit and the
+    /// teacher's pass over the logged answer ([`DistillTarget::Edit`] against the control
+    /// critique, [`EditBaseline::Control`]). Those depend on the teacher alone, so a replayed
+    /// example reuses them bit for bit instead of decoding again (on the CPU the decoding is
+    /// most of an edit step). Each entry holds the teacher's logits over the answer and the
+    /// target (`[n, vocab]` f32 each: ~6 MB per 30 tokens with the default model's 49k
+    /// vocabulary). Oldest out first; 0 = off. Edits measured against the student are never
+    /// cached (they move with it).
+    #[serde(default = "default_teacher_cache_examples")]
+    pub teacher_cache_examples: usize,
 }
 
 /// [`DistillTarget::Edit`]: the reference a logged value's log-probability under the teacher
@@ -209,6 +220,10 @@ fn default_teacher_answer_max_tokens() -> usize {
 
 fn default_edit_margin_nats() -> f64 {
     0.5
+}
+
+fn default_teacher_cache_examples() -> usize {
+    64
 }
 
 fn default_prefix_grad() -> bool {
@@ -278,6 +293,7 @@ impl Default for TrainerConfig {
             edit_baseline: EditBaseline::default(),
             teacher_contrast: 0.0,
             edit_min_target_logprob: None,
+            teacher_cache_examples: default_teacher_cache_examples(),
         }
     }
 }
@@ -396,6 +412,21 @@ pub struct TeacherAnswerCounts {
     /// teacher's confidence in their target was below it.
     #[serde(default)]
     pub unconfident: usize,
+    /// Targets taken from the teacher cache (no decoding; the other counts include them as
+    /// when they were made). See [`TrainerConfig::teacher_cache_examples`].
+    #[serde(default)]
+    pub cached: usize,
+}
+
+impl std::ops::AddAssign for TeacherAnswerCounts {
+    fn add_assign(&mut self, o: Self) {
+        self.decoded += o.decoded;
+        self.changed += o.changed;
+        self.fallback += o.fallback;
+        self.edited_fields += o.edited_fields;
+        self.unconfident += o.unconfident;
+        self.cached += o.cached;
+    }
 }
 
 /// Tokens the teacher needs to decode its own answer: the text of every token (for the
@@ -418,6 +449,7 @@ pub struct TeacherDecoding {
 }
 
 /// A teacher's decoded answer and its logits at the positions that predict it.
+#[derive(Clone)]
 struct TeacherAnswer {
     ids: Vec<u32>,
     logits: Tensor,
@@ -494,6 +526,7 @@ fn field_sums(
 }
 
 /// An edit and the teacher's spelling of it (the distillation target).
+#[derive(Clone)]
 struct EditOutcome {
     preview: EditPreview,
     target: Option<TeacherAnswer>,
@@ -525,6 +558,65 @@ pub struct Trainer {
     opt: AdamW,
     state: TrainerState,
     decoding: Option<TeacherDecoding>,
+    /// The frozen teacher's work per example, for replay ([`TrainerConfig::teacher_cache_examples`]).
+    cache: TeacherCache,
+}
+
+/// The teacher's work on one example that depends on the teacher alone: with a frozen teacher
+/// it is the same every time the example is trained.
+#[derive(Clone)]
+struct TeacherWork {
+    /// The teacher's pass over the logged answer ([`DistillTarget::Edit`]).
+    pass: Option<AnswerPass>,
+    /// The target: the teacher's own answer or the edit (`None`: the logged answer).
+    target: Option<TeacherAnswer>,
+    /// [`DistillTarget::Edit`]: the teacher's confidence in the target
+    /// ([`EditPreview::target_logprob`]).
+    confidence: Option<f64>,
+    /// The counts the work added when it was made.
+    counts: TeacherAnswerCounts,
+    /// The tokens its passes cost when it was made.
+    tokens: usize,
+}
+
+/// Bounded first-in-first-out store of [`TeacherWork`] by record id. An entry is used only
+/// for the same answer tokens it was made for.
+#[derive(Default)]
+struct TeacherCache {
+    entries: std::collections::HashMap<uuid::Uuid, (Vec<u32>, TeacherWork)>,
+    order: std::collections::VecDeque<uuid::Uuid>,
+}
+
+impl TeacherCache {
+    fn get(&self, ex: &TrainExample) -> Option<&TeacherWork> {
+        self.entries
+            .get(&ex.record_id)
+            .filter(|(answer, _)| *answer == ex.answer_ids)
+            .map(|(_, work)| work)
+    }
+
+    fn put(&mut self, ex: &TrainExample, work: TeacherWork, cap: usize) {
+        if cap == 0 {
+            return;
+        }
+        if self
+            .entries
+            .insert(ex.record_id, (ex.answer_ids.clone(), work))
+            .is_none()
+        {
+            self.order.push_back(ex.record_id);
+        }
+        while self.order.len() > cap {
+            if let Some(old) = self.order.pop_front() {
+                self.entries.remove(&old);
+            }
+        }
+    }
+
+    fn clear(&mut self) {
+        self.entries.clear();
+        self.order.clear();
+    }
 }
 
 impl std::fmt::Debug for Trainer {
@@ -537,6 +629,7 @@ impl std::fmt::Debug for Trainer {
 }
 
 /// One forward's quantities at the answer positions.
+#[derive(Clone)]
 struct AnswerPass {
     /// `[n, V]` logits (tracked for the student).
     logits: Tensor,
@@ -572,6 +665,7 @@ impl Trainer {
             opt,
             state: TrainerState::default(),
             decoding: None,
+            cache: TeacherCache::default(),
         })
     }
 
@@ -579,6 +673,22 @@ impl Trainer {
     /// online loop sets it from the tokenizer).
     pub fn set_decoding(&mut self, decoding: TeacherDecoding) {
         self.decoding = Some(decoding);
+        self.cache.clear();
+    }
+
+    /// Whether `ex`'s teacher work can come from (and goes into) the cache: the teacher is
+    /// frozen and the work does not read the student ([`TrainerConfig::teacher_cache_examples`]).
+    fn caches_teacher_work(&self, ex: &TrainExample) -> bool {
+        self.cfg.teacher_cache_examples > 0
+            && self.cfg.teacher_ema_rate == 0.0
+            && match self.cfg.distill_target {
+                DistillTarget::Teacher => true,
+                DistillTarget::Edit => {
+                    self.cfg.edit_baseline == EditBaseline::Control
+                        && ex.control_context_ids.is_some()
+                }
+                DistillTarget::Logged => false,
+            }
     }
 
     /// The policy being trained.
@@ -1010,6 +1120,57 @@ impl Trainer {
         Ok(out)
     }
 
+    /// The teacher's work on `ex` for [`DistillTarget::Teacher`] (its own answer) or
+    /// [`DistillTarget::Edit`] (its pass over the logged answer, the edit and the confidence
+    /// in it); `s_lp` are the student's log-probs of the logged tokens (the edit's default
+    /// reference).
+    fn teacher_work(&self, tctx: &[u32], ex: &TrainExample, s_lp: &[f32]) -> Result<TeacherWork> {
+        let mut counts = TeacherAnswerCounts::default();
+        if self.cfg.distill_target == DistillTarget::Teacher {
+            let control = ex.control_context_ids.as_deref();
+            let own = self.teacher_answer(tctx, control, ex.answer_format.as_ref())?;
+            counts.decoded += 1;
+            let mut tokens = 0;
+            match &own {
+                Some(a) => {
+                    tokens += tctx.len() + a.ids.len() + self.control_decode_tokens(ex, a.ids.len());
+                    counts.changed += usize::from(a.ids != ex.answer_ids);
+                }
+                None => counts.fallback += 1,
+            }
+            return Ok(TeacherWork {
+                pass: None,
+                target: own,
+                confidence: None,
+                counts,
+                tokens,
+            });
+        }
+        let pass = self.answer_pass(
+            tctx,
+            &ex.answer_ids,
+            &AdapterSelection::All(&self.teacher),
+            false,
+        )?;
+        let mut tokens = tctx.len() + ex.answer_ids.len();
+        let t_lp: Vec<f32> = pass.logprobs.to_vec1()?;
+        let (r_lp, r_tokens) = self.edit_reference(ex, || Ok(s_lp.to_vec()))?;
+        tokens += r_tokens;
+        let edit = self.teacher_edit(tctx, ex, &t_lp, &r_lp, &mut counts)?;
+        if let Some(a) = &edit.target {
+            tokens += 2 * (tctx.len() + a.ids.len()) + self.control_decode_tokens(ex, a.ids.len());
+        }
+        let confidence = edit.preview.target_logprob();
+        debug!(record = %ex.record_id, per_field = ?edit.preview.confidence, confidence, "The teacher's confidence in the target's values (log p, nats).");
+        Ok(TeacherWork {
+            pass: Some(pass),
+            target: edit.target,
+            confidence: Some(confidence),
+            counts,
+            tokens,
+        })
+    }
+
     /// The [`DistillTarget::Edit`] target of `ex` as a step would build it now (same passes,
     /// same configuration), without training: for probes and diagnostics. `None` when `ex`
     /// has no teacher prompt. Needs [`Trainer::set_decoding`].
@@ -1144,46 +1305,36 @@ impl Trainer {
                 // An edit target the teacher is not confident in: no distillation here.
                 let mut unconfident = false;
                 let own = match &ex.teacher_context_ids {
-                    Some(tctx) if w.distill > 0.0 && target == DistillTarget::Teacher => {
-                        let control = ex.control_context_ids.as_deref();
-                        let own = self.teacher_answer(tctx, control, ex.answer_format.as_ref())?;
+                    Some(tctx) if w.distill > 0.0 && target != DistillTarget::Logged => {
+                        let cacheable = self.caches_teacher_work(ex);
+                        let hit = cacheable.then(|| self.cache.get(ex).cloned()).flatten();
                         let c = teacher_counts.get_or_insert_with(Default::default);
-                        c.decoded += 1;
-                        match &own {
-                            Some(a) => {
-                                report.tokens += tctx.len() + a.ids.len();
-                                report.tokens += self.control_decode_tokens(ex, a.ids.len());
-                                c.changed += usize::from(a.ids != ex.answer_ids);
+                        let work = match hit {
+                            Some(work) => {
+                                c.cached += 1;
+                                debug!(record = %ex.record_id, "The frozen teacher's target, from the cache.");
+                                work
                             }
-                            None => c.fallback += 1,
-                        }
-                        own
-                    }
-                    Some(tctx) if w.distill > 0.0 && target == DistillTarget::Edit => {
-                        report.tokens += tctx.len() + n;
-                        let t = teacher.insert(teacher_pass(self)?);
-                        let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
-                        let (r_lp, r_tokens) = self.edit_reference(ex, || Ok(s_lp.clone()))?;
-                        report.tokens += r_tokens;
-                        let c = teacher_counts.get_or_insert_with(Default::default);
-                        let edit = self.teacher_edit(tctx, ex, &t_lp, &r_lp, c)?;
-                        if let Some(a) = &edit.target {
-                            report.tokens += 2 * (tctx.len() + a.ids.len());
-                            report.tokens += self.control_decode_tokens(ex, a.ids.len());
-                        }
-                        let confidence = edit.preview.target_logprob();
-                        debug!(record = %ex.record_id, per_field = ?edit.preview.confidence, confidence, "The teacher's confidence in the target's values (log p, nats).");
-                        if self
-                            .cfg
-                            .edit_min_target_logprob
-                            .is_some_and(|min| confidence < min)
-                        {
-                            debug!(record = %ex.record_id, confidence, "Edit target below the confidence floor; not distilled on.");
-                            c.unconfident += 1;
-                            unconfident = true;
-                            None
-                        } else {
-                            edit.target
+                            None => {
+                                let work = self.teacher_work(tctx, ex, &s_lp)?;
+                                report.tokens += work.tokens;
+                                if cacheable {
+                                    let cap = self.cfg.teacher_cache_examples;
+                                    self.cache.put(ex, work.clone(), cap);
+                                }
+                                work
+                            }
+                        };
+                        *c += work.counts;
+                        teacher = work.pass;
+                        match (work.confidence, self.cfg.edit_min_target_logprob) {
+                            (Some(confidence), Some(min)) if confidence < min => {
+                                debug!(record = %ex.record_id, confidence, "Edit target below the confidence floor; not distilled on.");
+                                c.unconfident += 1;
+                                unconfident = true;
+                                None
+                            }
+                            _ => work.target,
                         }
                     }
                     _ => None,
@@ -1472,6 +1623,7 @@ impl Trainer {
         let text = std::fs::read(&path).map_err(|e| LearnerError::io(&path, e))?;
         self.state =
             serde_json::from_slice(&text).map_err(|e| LearnerError::json("trainer state", e))?;
+        self.cache.clear();
         Ok(())
     }
 }
@@ -1817,9 +1969,10 @@ mod tests {
         assert_ne!(ex.answer_ids, own);
         let lp = |tr: &Trainer, ans: &[u32]| logprob_of(tr, &ex.context_ids, ans);
         let (own0, logged0) = (lp(&tr, &own), lp(&tr, &ex.answer_ids));
-        for _ in 0..8 {
+        for i in 0..8 {
             let r = tr.step(std::slice::from_ref(&ex)).unwrap();
             assert!(r.skipped.is_none(), "{r:?}");
+            // The frozen teacher decodes once; the repeats take its answer from the cache.
             assert_eq!(
                 r.teacher_answers,
                 Some(TeacherAnswerCounts {
@@ -1828,6 +1981,7 @@ mod tests {
                     fallback: 0,
                     edited_fields: 0,
                     unconfident: 0,
+                    cached: usize::from(i > 0),
                 })
             );
         }
@@ -2062,6 +2216,7 @@ mod tests {
                 fallback: 0,
                 edited_fields: 1,
                 unconfident: 0,
+                cached: 0,
             }
         );
         // The confidence in each value of the edit: the teacher's log-probs of its tokens, from
@@ -2244,6 +2399,75 @@ mod tests {
             };
             let err = cfg.check().unwrap_err().to_string();
             assert!(err.contains("edit_min_target_logprob"), "{floor}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_frozen_teachers_work_is_reused_on_replay_with_the_same_result() {
+        // The edit against the control critique with a frozen teacher reads the teacher alone:
+        // a replayed example takes it from the cache, and the step is the one recomputing
+        // would have made (same loss and terms, same weights), at fewer tokens.
+        let make = |cache: usize| {
+            let (mut tr, rf, ids) = edit_trainer(1.0);
+            tr.cfg.edit_baseline = EditBaseline::Control;
+            tr.cfg.teacher_cache_examples = cache;
+            (tr, rf, ids)
+        };
+        let (mut cached, rf, ids) = make(64);
+        let (mut plain, _, _) = make(0);
+        let mut ex = example(5, false, true, None);
+        ex.answer_format = Some(rf);
+        ex.answer_ids = ids(r#"{"j": "a", "k": "b"}"#);
+        let other = example(6, false, true, None);
+        for (i, batch) in [&ex, &ex, &other, &ex].into_iter().enumerate() {
+            let a = cached.step(std::slice::from_ref(batch)).unwrap();
+            let b = plain.step(std::slice::from_ref(batch)).unwrap();
+            assert_eq!(a.loss, b.loss, "step {i}");
+            assert_eq!(a.terms, b.terms, "step {i}");
+            let (ca, cb) = (a.teacher_answers.unwrap(), b.teacher_answers.unwrap());
+            let replay = i == 1 || i == 3;
+            assert_eq!(ca.cached, usize::from(replay), "step {i}: {ca:?}");
+            assert_eq!(cb.cached, 0);
+            assert_eq!(TeacherAnswerCounts { cached: 0, ..ca }, cb, "step {i}");
+            if replay {
+                assert!(a.tokens < b.tokens, "step {i}: {} vs {}", a.tokens, b.tokens);
+            } else {
+                assert_eq!(a.tokens, b.tokens, "step {i}");
+            }
+            if batch.record_id == ex.record_id {
+                assert_eq!(cb.changed, 1, "the example is edited: {cb:?}");
+            }
+        }
+        let (wa, wb) = (cached.policy().tensors().unwrap(), plain.policy().tensors().unwrap());
+        for (k, v) in &wa {
+            assert_eq!(max_abs_diff(v, &wb[k]), 0.0, "{k}");
+        }
+        // A cache of one holds only the latest example; the same record id with other answer
+        // tokens is not a hit.
+        let (mut one, _, _) = make(1);
+        let cached_of = |tr: &mut Trainer, ex: &TrainExample| {
+            tr.step(std::slice::from_ref(ex))
+                .unwrap()
+                .teacher_answers
+                .unwrap()
+                .cached
+        };
+        assert_eq!(cached_of(&mut one, &ex), 0);
+        assert_eq!(cached_of(&mut one, &ex), 1);
+        assert_eq!(cached_of(&mut one, &other), 0);
+        assert_eq!(cached_of(&mut one, &ex), 0, "evicted by `other`");
+        let mut changed = ex.clone();
+        changed.answer_ids = ids(r#"{"j": "b", "k": "b"}"#);
+        assert_eq!(cached_of(&mut one, &changed), 0);
+        // Work that reads the student (the edit against it) or a moving teacher is not cached.
+        for (baseline, ema) in [(EditBaseline::Student, 0.0), (EditBaseline::Control, 0.05)] {
+            let (mut tr, _, _) = make(64);
+            tr.cfg.edit_baseline = baseline;
+            tr.cfg.teacher_ema_rate = ema;
+            for _ in 0..2 {
+                let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+                assert_eq!(r.teacher_answers.unwrap().cached, 0, "{baseline:?}, ema {ema}");
+            }
         }
     }
 
