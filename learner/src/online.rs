@@ -692,6 +692,7 @@ pub async fn run_learner(
                 "record_ids": batch_ids,
                 "report": report,
             }))?;
+            let (trained, unlearned) = (report.examples, report.unlearned.clone());
             emit(LearnerEvent::Step(Box::new(report)));
 
             // Replay: extra steps on earlier examples (never the batch just trained). One draw
@@ -734,12 +735,10 @@ pub async fn run_learner(
                 emit(LearnerEvent::Replay(Box::new(report)));
             }
             if cfg.replay_steps_per_batch > 0 {
-                for ex in b {
-                    if replay.len() >= cfg.replay_buffer_examples {
-                        replay.pop_front();
-                    }
-                    replay.push_back(ex);
-                }
+                let kept =
+                    remember_for_replay(&mut replay, b, &unlearned, cfg.replay_buffer_examples);
+                metrics::counter!("hindsight_learner_replay_excluded_total")
+                    .increment(trained.saturating_sub(kept) as u64);
             }
         }
         state.records += records_in_batch;
@@ -865,6 +864,30 @@ pub fn spawn_learner(
                 control,
             ))
         })
+}
+
+/// Appends the trained `batch` to the replay buffer (oldest out beyond `cap`), except the
+/// examples the step learned nothing from ([`crate::trainer::StepReport::unlearned`]: e.g. an
+/// edit target below the confidence floor, which a replay would skip again at the cost of its
+/// passes). Returns how many went in.
+fn remember_for_replay(
+    replay: &mut VecDeque<TrainExample>,
+    batch: Vec<TrainExample>,
+    unlearned: &[Uuid],
+    cap: usize,
+) -> usize {
+    let mut kept = 0;
+    for ex in batch {
+        if unlearned.contains(&ex.record_id) {
+            continue;
+        }
+        if replay.len() >= cap {
+            replay.pop_front();
+        }
+        replay.push_back(ex);
+        kept += 1;
+    }
+    kept
 }
 
 /// SplitMix64: the replay sampler's deterministic hash of (batch, step, slot).
@@ -1151,6 +1174,42 @@ mod tests {
             ..Default::default()
         };
         assert!(no_buffer.validate().is_err());
+    }
+
+    #[test]
+    fn the_replay_buffer_keeps_what_was_learned_from_and_drops_the_oldest() {
+        let ex = |i: u32| TrainExample {
+            record_id: Uuid::from_u128(u128::from(i)),
+            turn: Uuid::from_u128(u128::from(i)),
+            route: "r".into(),
+            adapter: None,
+            context_ids: vec![1],
+            answer_ids: vec![2],
+            behaviour_logprobs: None,
+            teacher_context_ids: None,
+            control_context_ids: None,
+            correction_ids: None,
+            answer_format: None,
+            thumbs: None,
+            reward: None,
+            feedback_text: None,
+            feedback_ids: vec![],
+        };
+        let ids = |r: &VecDeque<TrainExample>| -> Vec<u128> {
+            r.iter().map(|e| e.record_id.as_u128()).collect()
+        };
+        let mut replay = VecDeque::new();
+        let unlearned = [Uuid::from_u128(2)];
+        assert_eq!(
+            remember_for_replay(&mut replay, vec![ex(1), ex(2), ex(3)], &unlearned, 3),
+            2
+        );
+        assert_eq!(ids(&replay), vec![1, 3], "the unlearned example stays out");
+        assert_eq!(
+            remember_for_replay(&mut replay, vec![ex(4), ex(5)], &[], 3),
+            2
+        );
+        assert_eq!(ids(&replay), vec![3, 4, 5], "oldest out beyond the cap");
     }
 
     #[test]

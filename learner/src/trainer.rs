@@ -391,6 +391,12 @@ pub struct StepReport {
     pub skipped: Option<String>,
     /// Wall time of the step, ms.
     pub duration_ms: u64,
+    /// Examples of the batch that no objective learned from: none applied, or the only one
+    /// was distillation on an edit target below the confidence floor (the KL guard alone does
+    /// not count). The online loop keeps them out of its replay buffer, where they would only
+    /// cost passes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unlearned: Vec<uuid::Uuid>,
 }
 
 /// What the hindsight teacher's decoded answers were, per step ([`DistillTarget::Teacher`],
@@ -1133,7 +1139,8 @@ impl Trainer {
             let mut tokens = 0;
             match &own {
                 Some(a) => {
-                    tokens += tctx.len() + a.ids.len() + self.control_decode_tokens(ex, a.ids.len());
+                    tokens +=
+                        tctx.len() + a.ids.len() + self.control_decode_tokens(ex, a.ids.len());
                     counts.changed += usize::from(a.ids != ex.answer_ids);
                 }
                 None => counts.fallback += 1,
@@ -1247,8 +1254,11 @@ impl Trainer {
                 || w.kto > 0.0 && ex.thumbs.is_some()
                 || w.sft > 0.0 && ex.correction_ids.is_some();
             if !applies {
+                report.unlearned.push(ex.record_id);
                 continue;
             }
+            // Whether an objective other than the KL guard contributes a term.
+            let mut learned = false;
             // The policy's pass over the logged answer feeds distillation, dense rewards, KTO
             // and the KL guard. An example that only carries a correction skips it and the base
             // pass: SFT has its own pass over the correction, so a pure-SFT example costs one
@@ -1359,6 +1369,7 @@ impl Trainer {
                             let ce = mean(&pass.logprobs.neg()?)?;
                             note("target_ce", ce.to_scalar::<f32>()? as f64);
                             push(&mut total, (ce * self.cfg.target_ce_weight)?)?;
+                            learned = true;
                         }
                         Some((pass.logits, &a.logits))
                     }
@@ -1379,6 +1390,7 @@ impl Trainer {
                     )?)?;
                     note("distill", d.to_scalar::<f32>()? as f64);
                     push(&mut total, (d * w.distill)?)?;
+                    learned = true;
                 }
 
                 if w.dense > 0.0 && (teacher.is_some() || ex.reward.is_some()) {
@@ -1425,6 +1437,7 @@ impl Trainer {
                     let pg = mean(&pg)?;
                     note("dense", pg.to_scalar::<f32>()? as f64);
                     push(&mut total, (pg * w.dense)?)?;
+                    learned = true;
                 }
 
                 if let (Some(up), Some(base_lp), true) = (ex.thumbs, &base, w.kto > 0.0) {
@@ -1435,6 +1448,7 @@ impl Trainer {
                     let k = kto_loss(&seq, reference, up, self.state.kto_z, &self.cfg.kto)?;
                     note("kto", k.to_scalar::<f32>()? as f64);
                     push(&mut total, (k * w.kto)?)?;
+                    learned = true;
                 }
             }
 
@@ -1467,8 +1481,12 @@ impl Trainer {
                 let l = mean(&ce)?;
                 note("sft", l.to_scalar::<f32>()? as f64);
                 push(&mut total, (l * w.sft)?)?;
+                learned = true;
             }
 
+            if !learned {
+                report.unlearned.push(ex.record_id);
+            }
             if let Some(ex_loss) = total.take() {
                 let ex_loss = (ex_loss / nb)?;
                 let v = ex_loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
@@ -2380,6 +2398,7 @@ mod tests {
         let before = logprob_of(&tr, &ex.context_ids, &ex.answer_ids);
         let r = tr.step(std::slice::from_ref(&ex)).unwrap();
         assert_eq!(r.teacher_answers.unwrap().unconfident, 1, "{r:?}");
+        assert_eq!(r.unlearned, vec![ex.record_id], "nothing to replay: {r:?}");
         assert!(r.terms.is_empty(), "{r:?}");
         assert!(r.skipped.is_some(), "nothing to learn: {r:?}");
         assert_eq!(logprob_of(&tr, &ex.context_ids, &ex.answer_ids), before);
@@ -2387,6 +2406,7 @@ mod tests {
         tr.cfg.edit_min_target_logprob = Some(confidence - 0.1);
         let r = tr.step(std::slice::from_ref(&ex)).unwrap();
         assert_eq!(r.teacher_answers.unwrap().unconfident, 0, "{r:?}");
+        assert!(r.unlearned.is_empty(), "{r:?}");
         assert!(
             r.terms.contains_key("distill") && r.skipped.is_none(),
             "{r:?}"
@@ -2430,7 +2450,12 @@ mod tests {
             assert_eq!(cb.cached, 0);
             assert_eq!(TeacherAnswerCounts { cached: 0, ..ca }, cb, "step {i}");
             if replay {
-                assert!(a.tokens < b.tokens, "step {i}: {} vs {}", a.tokens, b.tokens);
+                assert!(
+                    a.tokens < b.tokens,
+                    "step {i}: {} vs {}",
+                    a.tokens,
+                    b.tokens
+                );
             } else {
                 assert_eq!(a.tokens, b.tokens, "step {i}");
             }
@@ -2438,7 +2463,10 @@ mod tests {
                 assert_eq!(cb.changed, 1, "the example is edited: {cb:?}");
             }
         }
-        let (wa, wb) = (cached.policy().tensors().unwrap(), plain.policy().tensors().unwrap());
+        let (wa, wb) = (
+            cached.policy().tensors().unwrap(),
+            plain.policy().tensors().unwrap(),
+        );
         for (k, v) in &wa {
             assert_eq!(max_abs_diff(v, &wb[k]), 0.0, "{k}");
         }
@@ -2466,7 +2494,11 @@ mod tests {
             tr.cfg.teacher_ema_rate = ema;
             for _ in 0..2 {
                 let r = tr.step(std::slice::from_ref(&ex)).unwrap();
-                assert_eq!(r.teacher_answers.unwrap().cached, 0, "{baseline:?}, ema {ema}");
+                assert_eq!(
+                    r.teacher_answers.unwrap().cached,
+                    0,
+                    "{baseline:?}, ema {ema}"
+                );
             }
         }
     }
