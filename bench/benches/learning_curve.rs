@@ -10,6 +10,7 @@
 //! #   CRITIQUE=rule-and-value|rule  OUT=target/bench-results/learning_curve
 //! #   PLACEMENT=user-note|system-no-answer|user-turn|system  (where the self-teacher sees the feedback)
 //! #   REPLAY=0  (replay steps on earlier examples after each new micro-batch)
+//! #   REPLAY_UNLEARNED=0  (1: replay also examples a step learned nothing from)
 //! #   KL_BUDGET=<nats per position>  (default: the learner's)
 //! #   PREFIX_GRAD=1  (0: the trainer back-propagates through the answer positions only)
 //! #   TEACHER_EMA=<rate>  (the teacher's EMA rate towards the policy; 0 = frozen base teacher)
@@ -108,6 +109,7 @@ async fn main() -> anyhow::Result<()> {
         cfg.noise_rate = env("NOISE_RATE", cfg.noise_rate);
         cfg.critique_style = critique;
         cfg.replay_steps_per_batch = env("REPLAY", cfg.replay_steps_per_batch);
+        cfg.replay_unlearned = env("REPLAY_UNLEARNED", 0u8) == 1;
         cfg.kl_budget = std::env::var("KL_BUDGET").ok().and_then(|v| v.parse().ok());
         cfg.prefix_grad = env::<u8>("PREFIX_GRAD", 1) != 0;
         cfg.teacher_ema_rate = std::env::var("TEACHER_EMA")
@@ -161,6 +163,11 @@ async fn main() -> anyhow::Result<()> {
             percents(&report, |p| p.field_accuracy),
             report.wall_s,
             report.train_tokens_per_s
+        );
+        eprintln!(
+            "[learning_curve] {}: exact match on the held-out tickets whose decision is not the constant answer (which scores 0 there) {}",
+            objective.as_str(),
+            percents(&report, |p| p.exact_beyond_constant),
         );
         eprintln!(
             "[learning_curve] {}: distinct decisions among the {} held-out answers {}",

@@ -150,6 +150,10 @@ pub struct LearningConfig {
     /// Replay steps after each new micro-batch (the learner's `replay_steps_per_batch`).
     #[serde(default)]
     pub replay_steps_per_batch: usize,
+    /// Replay also the examples a step learned nothing from (the learner's
+    /// `replay_unlearned`; result files from before 2026-12-02 08:40 UTC did: true there).
+    #[serde(default)]
+    pub replay_unlearned: bool,
     /// The trainer's KL-to-base budget (nats per logged position); `None`: the learner's default.
     #[serde(default)]
     pub kl_budget: Option<f64>,
@@ -212,6 +216,9 @@ impl LearningConfig {
         let mut label = self.objective.as_str().to_string();
         if self.replay_steps_per_batch > 0 {
             label.push_str(&format!(" + replay {}", self.replay_steps_per_batch));
+            if self.replay_unlearned {
+                label.push_str(" (all)");
+            }
         }
         if self.lr != DEFAULT_LR {
             label.push_str(&format!(", lr {:e}", self.lr));
@@ -281,6 +288,7 @@ impl LearningConfig {
             noise_rate: 0.0,
             placement: default_placement(),
             replay_steps_per_batch: 0,
+            replay_unlearned: false,
             kl_budget: None,
             prefix_grad: default_prefix_grad(),
             teacher_ema_rate: None,
@@ -324,6 +332,11 @@ pub struct CurvePoint {
     /// Share of held-out tickets that got the most common of those decisions.
     #[serde(default)]
     pub top_answer_share: Option<f64>,
+    /// Exact match on the held-out tickets whose decision is *not* the constant answer: what
+    /// always giving the most common decision scores 0 on, so what only rules learned can
+    /// raise (older files lack it).
+    #[serde(default)]
+    pub exact_beyond_constant: Option<f64>,
     /// [`PriorProbe`] on the held-out tickets whose decision is not the constant answer: mean
     /// log p(correct) − log p(constant answer). Down = the prior learned, up = tickets told
     /// apart.
@@ -472,6 +485,36 @@ pub fn answer_spread(set: &EvalSet, report: &RunReport) -> Option<(usize, f64)> 
     let total: usize = counts.values().sum();
     let top = counts.values().copied().max()?;
     Some((counts.len(), top as f64 / total as f64))
+}
+
+/// Exact match on the items whose expected decision (its fields) differs from `constant`, and
+/// how many such items there are; `None` when there are none.
+pub fn exact_beyond_constant(
+    set: &EvalSet,
+    report: &RunReport,
+    constant: &serde_json::Value,
+) -> Option<(f64, usize)> {
+    let pass = report.items.iter().map(|o| o.pass_rate);
+    beyond_constant(set.items.iter().map(|i| &i.expected).zip(pass), constant)
+}
+
+/// [`exact_beyond_constant`] over (expected answer, pass rate) pairs.
+fn beyond_constant<'a>(
+    items: impl Iterator<Item = (&'a serde_json::Value, f64)>,
+    constant: &serde_json::Value,
+) -> Option<(f64, usize)> {
+    let (mut n, mut right) = (0usize, 0.0);
+    for (expected, pass_rate) in items {
+        let Some(expected) = expected.as_object() else {
+            continue;
+        };
+        if expected.iter().all(|(k, v)| constant.get(k) == Some(v)) {
+            continue;
+        }
+        n += 1;
+        right += pass_rate;
+    }
+    (n > 0).then(|| (right / n as f64, n))
 }
 
 /// A finished run.
@@ -655,6 +698,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         train_field_accuracy,
         distinct_answers: answer_spread(&set, &base_report).map(|s| s.0),
         top_answer_share: answer_spread(&set, &base_report).map(|s| s.1),
+        exact_beyond_constant: exact_beyond_constant(&set, &base_report, &constant_baseline.answer)
+            .map(|e| e.0),
         prior_margin: base_margins.held_out,
         train_prior_margin: base_margins.trained,
         version: None,
@@ -755,6 +800,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     learner_cfg.trainer.objectives = cfg.objective.weights();
     learner_cfg.examples.placement = cfg.placement;
     learner_cfg.replay_steps_per_batch = cfg.replay_steps_per_batch;
+    learner_cfg.replay_unlearned = cfg.replay_unlearned;
     if let Some(budget) = cfg.kl_budget {
         learner_cfg.trainer.kl_budget = budget;
     }
@@ -928,6 +974,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             train_field_accuracy,
             distinct_answers: answer_spread(&set, &report).map(|s| s.0),
             top_answer_share: answer_spread(&set, &report).map(|s| s.1),
+            exact_beyond_constant: exact_beyond_constant(&set, &report, &constant_baseline.answer)
+                .map(|e| e.0),
             prior_margin: margins.held_out,
             train_prior_margin: margins.trained,
             version: Some(version),
@@ -1115,6 +1163,33 @@ mod tests {
         assert!((b.exact_match - hits as f64 / 40.0).abs() < 1e-12);
         assert!(b.field_accuracy >= b.exact_match && b.field_accuracy <= 1.0);
         assert!(b.train_exact_match.is_none());
+    }
+
+    #[test]
+    fn exact_beyond_the_constant_answer_counts_only_the_other_tickets() {
+        let world = World::new(0);
+        let eval =
+            EvalSet::from_items("e", eval_items(&world, Split::Eval, 40, SINGLE_TURN)).unwrap();
+        let b = ConstantBaseline::compute(&world, SINGLE_TURN, &eval, None).unwrap();
+        let expected: Vec<&serde_json::Value> = eval.items.iter().map(|i| &i.expected).collect();
+        let others = expected.iter().filter(|e| ***e != b.answer).count();
+        assert!(others > 0 && others < 40, "{others}");
+        // Right exactly on the constant answer's tickets (what always giving it scores): 0.
+        let on_constant = expected
+            .iter()
+            .map(|e| (*e, f64::from(u8::from(**e == b.answer))));
+        assert_eq!(beyond_constant(on_constant, &b.answer), Some((0.0, others)));
+        // Right on every ticket: 1; on one of the others: 1 / others.
+        let all = expected.iter().map(|e| (*e, 1.0));
+        assert_eq!(beyond_constant(all, &b.answer), Some((1.0, others)));
+        let first = expected.iter().position(|e| **e != b.answer).unwrap();
+        let one = expected
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (*e, f64::from(u8::from(i == first))));
+        let (rate, n) = beyond_constant(one, &b.answer).unwrap();
+        assert!((rate - 1.0 / others as f64).abs() < 1e-12 && n == others);
+        assert_eq!(beyond_constant(std::iter::empty(), &b.answer), None);
     }
 
     #[test]

@@ -117,6 +117,11 @@ pub struct LearnerConfig {
     /// starts with an empty buffer (exactly-once applies to new records; replay is extra).
     #[serde(default = "default_replay_buffer_examples")]
     pub replay_buffer_examples: usize,
+    /// Also buffer for replay the examples a step learned nothing from
+    /// ([`crate::trainer::StepReport::unlearned`], e.g. edit targets below the confidence
+    /// floor); by default they stay out, so replay slots go to examples with something to learn.
+    #[serde(default)]
+    pub replay_unlearned: bool,
     /// Stop after this many trained examples (benchmarks and tests; none = run until stopped).
     #[serde(default)]
     pub max_examples: Option<u64>,
@@ -735,8 +740,12 @@ pub async fn run_learner(
                 emit(LearnerEvent::Replay(Box::new(report)));
             }
             if cfg.replay_steps_per_batch > 0 {
-                let kept =
-                    remember_for_replay(&mut replay, b, &unlearned, cfg.replay_buffer_examples);
+                let skip: &[Uuid] = if cfg.replay_unlearned {
+                    &[]
+                } else {
+                    &unlearned
+                };
+                let kept = remember_for_replay(&mut replay, b, skip, cfg.replay_buffer_examples);
                 metrics::counter!("hindsight_learner_replay_excluded_total")
                     .increment(trained.saturating_sub(kept) as u64);
             }
