@@ -585,6 +585,18 @@ struct TeacherWork {
     tokens: usize,
 }
 
+/// The teacher's keys and values for the prompts of one example's teacher work (the hindsight
+/// prompt, the control prompt). Each prompt but its last token runs through the teacher once
+/// ([`Trainer::prompt_cache`]); every pass after it — over the logged answer, the decoding, the
+/// edit's scoring pass — starts from a copy, so a prompt of hundreds of tokens is not run three
+/// times for one example. Counts the tokens its passes ran. Made per example (it is valid for
+/// one teacher).
+#[derive(Default)]
+struct TeacherPrompts {
+    caches: Vec<(Vec<u32>, KvCache)>,
+    tokens: usize,
+}
+
 /// Bounded first-in-first-out store of [`TeacherWork`] by record id. An entry is used only
 /// for the same answer tokens it was made for.
 #[derive(Default)]
@@ -793,6 +805,69 @@ impl Trainer {
         Ok(AnswerPass { logits, logprobs })
     }
 
+    /// A copy of the teacher's cache of `ctx` without its last token, from `prompts` or run
+    /// now (and kept there).
+    fn prompt_cache(&self, prompts: &mut TeacherPrompts, ctx: &[u32]) -> Result<KvCache> {
+        let Some(head) = ctx.len().checked_sub(1) else {
+            return Err(LearnerError::InvalidArgument("empty teacher prompt".into()));
+        };
+        if let Some((_, cache)) = prompts.caches.iter().find(|(c, _)| c == ctx) {
+            return Ok(cache.clone());
+        }
+        let mut cache = KvCache::new();
+        if head > 0 {
+            let input = Tensor::from_slice(&ctx[..head], (1, head), self.model.device())?;
+            self.model.hidden(
+                &input,
+                &BatchLayout::dense(1, head, 0),
+                Some(&mut cache),
+                &AdapterSelection::All(&self.teacher),
+                false,
+            )?;
+            prompts.tokens += head;
+        }
+        prompts.caches.push((ctx.to_vec(), cache.clone()));
+        Ok(cache)
+    }
+
+    /// The teacher's pass (no gradient) over `answer` after `ctx`, starting from the prompt's
+    /// cache in `prompts`: the logits at the positions that predict `answer` and its log-probs.
+    fn teacher_pass_after(
+        &self,
+        prompts: &mut TeacherPrompts,
+        ctx: &[u32],
+        answer: &[u32],
+    ) -> Result<AnswerPass> {
+        let n = answer.len();
+        if n == 0 {
+            return Err(LearnerError::InvalidArgument("empty answer".into()));
+        }
+        let mut cache = self.prompt_cache(prompts, ctx)?;
+        let head = cache.len();
+        let dev = self.model.device();
+        let tail: Vec<u32> = ctx[head..]
+            .iter()
+            .chain(&answer[..n - 1])
+            .copied()
+            .collect();
+        let input = Tensor::from_vec(tail, (1, n), dev)?;
+        let rows = self
+            .model
+            .hidden(
+                &input,
+                &BatchLayout::dense(1, n, head),
+                Some(&mut cache),
+                &AdapterSelection::All(&self.teacher),
+                false,
+            )?
+            .squeeze(0)?;
+        prompts.tokens += n;
+        let logits = self.model.logits(&rows)?;
+        let targets = Tensor::from_slice(answer, n, dev)?;
+        let logprobs = token_logprobs(&logits, &targets)?;
+        Ok(AnswerPass { logits, logprobs })
+    }
+
     /// The policy's training pass (tracked) over `answer` after `prefix`.
     fn policy_pass(&self, prefix: &[u32], answer: &[u32]) -> Result<AnswerPass> {
         self.answer_pass(prefix, answer, &AdapterSelection::All(&self.policy), true)
@@ -826,9 +901,11 @@ impl Trainer {
     /// `(1 + α)·teacher − α·control`, the control decoding the same tokens after `cctx` in a
     /// cache of its own. Ends at the end-of-turn token; `None` when `next` gives up or the
     /// answer does not end within `teacher_answer_max_tokens`. Returns the tokens and the
-    /// logits (contrasted when `control` is given) at the positions that predict them.
+    /// logits (contrasted when `control` is given) at the positions that predict them. Each
+    /// stream starts from its prompt's cache in `prompts`.
     fn teacher_decode(
         &self,
+        prompts: &mut TeacherPrompts,
         tctx: &[u32],
         control: Option<(&[u32], f64)>,
         end_of_turn: u32,
@@ -836,26 +913,26 @@ impl Trainer {
     ) -> Result<Option<TeacherAnswer>> {
         let dev = self.model.device();
         let adapters = AdapterSelection::All(&self.teacher);
-        // One decoding stream per prompt: the teacher's, then the control's.
-        let mut streams = vec![(KvCache::new(), tctx)];
-        if let Some((cctx, _)) = control {
-            streams.push((KvCache::new(), cctx));
+        // One decoding stream per prompt, the teacher's then the control's: its cache and the
+        // prompt's token(s) not in it, the first input.
+        let mut streams = Vec::with_capacity(2);
+        for ctx in std::iter::once(tctx).chain(control.map(|(cctx, _)| cctx)) {
+            let cache = self.prompt_cache(prompts, ctx)?;
+            let rest = ctx[cache.len()..].to_vec();
+            streams.push((cache, rest));
         }
         let mut last: Option<u32> = None;
         let (mut ids, mut rows) = (Vec::new(), Vec::new());
         for _ in 0..self.cfg.teacher_answer_max_tokens {
             let mut logits = Vec::with_capacity(streams.len());
-            for (cache, ctx) in &mut streams {
-                let (input, layout) = match last {
-                    None => (
-                        Tensor::from_slice(ctx, (1, ctx.len()), dev)?,
-                        BatchLayout::dense(1, ctx.len(), 0),
-                    ),
-                    Some(id) => (
-                        Tensor::from_slice(&[id], (1, 1), dev)?,
-                        BatchLayout::dense(1, 1, cache.len()),
-                    ),
+            for (cache, rest) in &mut streams {
+                let input: &[u32] = match &last {
+                    None => rest,
+                    Some(id) => std::slice::from_ref(id),
                 };
+                let layout = BatchLayout::dense(1, input.len(), cache.len());
+                let input = Tensor::from_slice(input, (1, input.len()), dev)?;
+                prompts.tokens += layout.seq();
                 logits.push(
                     self.model
                         .forward_last(&input, &layout, Some(cache), &adapters)?,
@@ -890,6 +967,7 @@ impl Trainer {
     /// limit.
     fn teacher_answer(
         &self,
+        prompts: &mut TeacherPrompts,
         tctx: &[u32],
         control: Option<&[u32]>,
         format: Option<&OJson>,
@@ -906,15 +984,21 @@ impl Trainer {
         let alpha = self.cfg.teacher_contrast;
         let control = control.filter(|_| alpha > 0.0).map(|c| (c, alpha));
         let mut state = grammar.as_ref().map(JsonState::new);
-        self.teacher_decode(tctx, control, dec.end_of_turn, |row| match &mut state {
-            Some(st) if st.finished() => Some(dec.end_of_turn),
-            Some(st) => {
-                let id = best_allowed(row, &allowed_by_grammar(st, &dec.vocab))?;
-                let text = dec.vocab.get(id as usize)?.as_deref()?;
-                st.feed_str(text).then_some(id)
-            }
-            None => Some(best_allowed(row, &|_| true).unwrap_or(dec.end_of_turn)),
-        })
+        self.teacher_decode(
+            prompts,
+            tctx,
+            control,
+            dec.end_of_turn,
+            |row| match &mut state {
+                Some(st) if st.finished() => Some(dec.end_of_turn),
+                Some(st) => {
+                    let id = best_allowed(row, &allowed_by_grammar(st, &dec.vocab))?;
+                    let text = dec.vocab.get(id as usize)?.as_deref()?;
+                    st.feed_str(text).then_some(id)
+                }
+                None => Some(best_allowed(row, &|_| true).unwrap_or(dec.end_of_turn)),
+            },
+        )
     }
 
     /// The greedy answer of the teacher (the EMA policy) after `context`, under the grammar of
@@ -926,17 +1010,25 @@ impl Trainer {
         context: &[u32],
         format: Option<&OJson>,
     ) -> Result<Option<Vec<u32>>> {
-        Ok(self.teacher_answer(context, None, format)?.map(|a| a.ids))
+        let mut prompts = TeacherPrompts::default();
+        Ok(self
+            .teacher_answer(&mut prompts, context, None, format)?
+            .map(|a| a.ids))
     }
 
     /// `text` as the teacher would write it after `tctx`: at each step the teacher's most
     /// likely token among those whose text continues `text`, then the end-of-turn token. The
     /// tokens and the teacher's logits that predict them; `None` if some character has no
     /// token or the text does not fit the token limit.
-    fn teacher_spells(&self, tctx: &[u32], text: &str) -> Result<Option<TeacherAnswer>> {
+    fn teacher_spells(
+        &self,
+        prompts: &mut TeacherPrompts,
+        tctx: &[u32],
+        text: &str,
+    ) -> Result<Option<TeacherAnswer>> {
         let dec = self.decoding()?;
         let mut rest = text;
-        self.teacher_decode(tctx, None, dec.end_of_turn, |row| {
+        self.teacher_decode(prompts, tctx, None, dec.end_of_turn, |row| {
             if rest.is_empty() {
                 return Some(dec.end_of_turn);
             }
@@ -953,52 +1045,45 @@ impl Trainer {
     /// the tokenizer ([`TeacherDecoding::tokenizer`]) the text's own tokens, scored in one
     /// teacher pass; without it, as the teacher spells it ([`Trainer::teacher_spells`]).
     /// `None` when the answer does not fit `teacher_answer_max_tokens` or cannot be spelled.
-    fn edit_tokens(&self, tctx: &[u32], text: &str) -> Result<Option<TeacherAnswer>> {
+    fn edit_tokens(
+        &self,
+        prompts: &mut TeacherPrompts,
+        tctx: &[u32],
+        text: &str,
+    ) -> Result<Option<TeacherAnswer>> {
         let dec = self.decoding()?;
         let Some(tokenizer) = &dec.tokenizer else {
-            return self.teacher_spells(tctx, text);
+            return self.teacher_spells(prompts, tctx, text);
         };
         let mut ids = encode(tokenizer, text)?;
         ids.push(dec.end_of_turn);
         if ids.len() > self.cfg.teacher_answer_max_tokens {
             return Ok(None);
         }
-        let pass = self.answer_pass(tctx, &ids, &AdapterSelection::All(&self.teacher), false)?;
+        let pass = self.teacher_pass_after(prompts, tctx, &ids)?;
         Ok(Some(TeacherAnswer {
             logits: pass.logits,
             ids,
         }))
     }
 
-    /// Tokens the control stream of a contrasted decoding of `answer_len` tokens costs (0
-    /// when the decoding is not contrasted).
-    fn control_decode_tokens(&self, ex: &TrainExample, answer_len: usize) -> usize {
-        match &ex.control_context_ids {
-            Some(cctx) if self.cfg.teacher_contrast > 0.0 => cctx.len() + answer_len,
-            _ => 0,
-        }
-    }
-
     /// Log-probs of `ex`'s logged answer tokens that the teacher's are compared with by
     /// [`DistillTarget::Edit`]: the teacher after the control prompt
-    /// ([`EditBaseline::Control`], when `ex` has one) or the student's (from `student`, only
-    /// called then), with the tokens the reference's own pass cost.
+    /// ([`EditBaseline::Control`], when `ex` has one; its pass starts from the control
+    /// prompt's cache in `prompts`, which the contrasted decoding reuses) or the student's
+    /// (from `student`, only called then).
     fn edit_reference(
         &self,
+        prompts: &mut TeacherPrompts,
         ex: &TrainExample,
         student: impl FnOnce() -> Result<Vec<f32>>,
-    ) -> Result<(Vec<f32>, usize)> {
+    ) -> Result<Vec<f32>> {
         match (self.cfg.edit_baseline, ex.control_context_ids.as_deref()) {
-            (EditBaseline::Control, Some(cctx)) => {
-                let pass = self.answer_pass(
-                    cctx,
-                    &ex.answer_ids,
-                    &AdapterSelection::All(&self.teacher),
-                    false,
-                )?;
-                Ok((pass.logprobs.to_vec1()?, cctx.len() + ex.answer_ids.len()))
-            }
-            _ => Ok((student()?, 0)),
+            (EditBaseline::Control, Some(cctx)) => Ok(self
+                .teacher_pass_after(prompts, cctx, &ex.answer_ids)?
+                .logprobs
+                .to_vec1()?),
+            _ => student(),
         }
     }
 
@@ -1009,13 +1094,14 @@ impl Trainer {
     /// the logged answer is distilled on as it is.
     fn teacher_edit(
         &self,
+        prompts: &mut TeacherPrompts,
         tctx: &[u32],
         ex: &TrainExample,
         t_lp: &[f32],
         r_lp: &[f32],
         counts: &mut TeacherAnswerCounts,
     ) -> Result<EditOutcome> {
-        let mut out = self.edit_target(tctx, ex, t_lp, r_lp, counts)?;
+        let mut out = self.edit_target(prompts, tctx, ex, t_lp, r_lp, counts)?;
         let dec = self.decoding()?;
         // The teacher's log-probs of the target's tokens: from the pass that spelled an edit,
         // or the pass over the logged answer.
@@ -1038,6 +1124,7 @@ impl Trainer {
     /// The target of [`Trainer::teacher_edit`], without the confidence.
     fn edit_target(
         &self,
+        prompts: &mut TeacherPrompts,
         tctx: &[u32],
         ex: &TrainExample,
         t_lp: &[f32],
@@ -1082,6 +1169,7 @@ impl Trainer {
         }
         counts.decoded += 1;
         let Some(own) = self.teacher_answer(
+            prompts,
             tctx,
             ex.control_context_ids.as_deref(),
             ex.answer_format.as_ref(),
@@ -1115,7 +1203,7 @@ impl Trainer {
         }
         target.push_str(&logged[at..]);
         debug!(record = %ex.record_id, edited = %target, "The teacher's edit of the logged answer.");
-        let Some(spelled) = self.edit_tokens(tctx, &target)? else {
+        let Some(spelled) = self.edit_tokens(prompts, tctx, &target)? else {
             counts.fallback += 1;
             return Ok(out);
         };
@@ -1132,17 +1220,14 @@ impl Trainer {
     /// reference).
     fn teacher_work(&self, tctx: &[u32], ex: &TrainExample, s_lp: &[f32]) -> Result<TeacherWork> {
         let mut counts = TeacherAnswerCounts::default();
+        let mut prompts = TeacherPrompts::default();
         if self.cfg.distill_target == DistillTarget::Teacher {
             let control = ex.control_context_ids.as_deref();
-            let own = self.teacher_answer(tctx, control, ex.answer_format.as_ref())?;
+            let own =
+                self.teacher_answer(&mut prompts, tctx, control, ex.answer_format.as_ref())?;
             counts.decoded += 1;
-            let mut tokens = 0;
             match &own {
-                Some(a) => {
-                    tokens +=
-                        tctx.len() + a.ids.len() + self.control_decode_tokens(ex, a.ids.len());
-                    counts.changed += usize::from(a.ids != ex.answer_ids);
-                }
+                Some(a) => counts.changed += usize::from(a.ids != ex.answer_ids),
                 None => counts.fallback += 1,
             }
             return Ok(TeacherWork {
@@ -1150,23 +1235,14 @@ impl Trainer {
                 target: own,
                 confidence: None,
                 counts,
-                tokens,
+                tokens: prompts.tokens,
             });
         }
-        let pass = self.answer_pass(
-            tctx,
-            &ex.answer_ids,
-            &AdapterSelection::All(&self.teacher),
-            false,
-        )?;
-        let mut tokens = tctx.len() + ex.answer_ids.len();
+        let pass = self.teacher_pass_after(&mut prompts, tctx, &ex.answer_ids)?;
         let t_lp: Vec<f32> = pass.logprobs.to_vec1()?;
-        let (r_lp, r_tokens) = self.edit_reference(ex, || Ok(s_lp.to_vec()))?;
-        tokens += r_tokens;
-        let edit = self.teacher_edit(tctx, ex, &t_lp, &r_lp, &mut counts)?;
-        if let Some(a) = &edit.target {
-            tokens += 2 * (tctx.len() + a.ids.len()) + self.control_decode_tokens(ex, a.ids.len());
-        }
+        let r_lp = self.edit_reference(&mut prompts, ex, || Ok(s_lp.to_vec()))?;
+        let edit = self.teacher_edit(&mut prompts, tctx, ex, &t_lp, &r_lp, &mut counts)?;
+        let tokens = prompts.tokens;
         let confidence = edit.preview.target_logprob();
         debug!(record = %ex.record_id, per_field = ?edit.preview.confidence, confidence, "The teacher's confidence in the target's values (log p, nats).");
         Ok(TeacherWork {
@@ -1185,17 +1261,25 @@ impl Trainer {
         let Some(tctx) = ex.teacher_context_ids.as_deref() else {
             return Ok(None);
         };
-        let pass = |ctx: &[u32], adapter: &Adapter| -> Result<Vec<f32>> {
+        let mut prompts = TeacherPrompts::default();
+        let t_lp: Vec<f32> = self
+            .teacher_pass_after(&mut prompts, tctx, &ex.answer_ids)?
+            .logprobs
+            .to_vec1()?;
+        let r_lp = self.edit_reference(&mut prompts, ex, || {
             Ok(self
-                .answer_pass(ctx, &ex.answer_ids, &AdapterSelection::All(adapter), false)?
+                .answer_pass(
+                    &ex.context_ids,
+                    &ex.answer_ids,
+                    &AdapterSelection::All(&self.policy),
+                    false,
+                )?
                 .logprobs
                 .to_vec1()?)
-        };
-        let t_lp = pass(tctx, &self.teacher)?;
-        let (r_lp, _) = self.edit_reference(ex, || pass(&ex.context_ids, &self.policy))?;
+        })?;
         let mut counts = TeacherAnswerCounts::default();
         Ok(Some(
-            self.teacher_edit(tctx, ex, &t_lp, &r_lp, &mut counts)?
+            self.teacher_edit(&mut prompts, tctx, ex, &t_lp, &r_lp, &mut counts)?
                 .preview,
         ))
     }
@@ -1304,11 +1388,10 @@ impl Trainer {
                 // pass says which fields the feedback speaks against.
                 let target = self.cfg.distill_target;
                 let teacher_pass = |tr: &Self| -> Result<AnswerPass> {
-                    tr.answer_pass(
+                    tr.teacher_pass_after(
+                        &mut TeacherPrompts::default(),
                         ex.teacher_context_ids.as_deref().unwrap_or_default(),
                         &ex.answer_ids,
-                        &AdapterSelection::All(&tr.teacher),
-                        false,
                     )
                 };
                 let mut teacher = None;
@@ -1935,11 +2018,15 @@ mod tests {
         let tctx = ex.teacher_context_ids.clone().unwrap();
         let (dec, rf, text) = guided();
         assert!(
-            tr.teacher_answer(&tctx, None, Some(&rf)).is_err(),
+            tr.teacher_answer(&mut TeacherPrompts::default(), &tctx, None, Some(&rf))
+                .is_err(),
             "decoding without the vocabulary is an error, not a silent fallback"
         );
         tr.set_decoding(dec);
-        let own = tr.teacher_answer(&tctx, None, Some(&rf)).unwrap().unwrap();
+        let own = tr
+            .teacher_answer(&mut TeacherPrompts::default(), &tctx, None, Some(&rf))
+            .unwrap()
+            .unwrap();
         assert_eq!(own.ids.last(), Some(&31), "closed with the end of turn");
         let doc = text(&own.ids);
         let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
@@ -1951,7 +2038,10 @@ mod tests {
         assert!(diff < 1e-3, "decode vs full-pass logits differ by {diff}");
         // A limit too short to close the document falls back (None), it does not truncate.
         tr.cfg.teacher_answer_max_tokens = 5;
-        assert!(tr.teacher_answer(&tctx, None, Some(&rf)).unwrap().is_none());
+        assert!(tr
+            .teacher_answer(&mut TeacherPrompts::default(), &tctx, None, Some(&rf))
+            .unwrap()
+            .is_none());
     }
 
     /// Distillation alone on `target`, forward KL, frozen teacher, no KL guard.
@@ -1973,7 +2063,7 @@ mod tests {
         ex.answer_format = Some(rf.clone());
         let tctx = ex.teacher_context_ids.clone().unwrap();
         let own = tr
-            .teacher_answer(&tctx, None, Some(&rf))
+            .teacher_answer(&mut TeacherPrompts::default(), &tctx, None, Some(&rf))
             .unwrap()
             .unwrap()
             .ids;
@@ -2064,13 +2154,55 @@ mod tests {
     }
 
     #[test]
+    fn the_teachers_passes_after_one_prompt_run_it_once_and_match_a_full_pass() {
+        let tr = Trainer::new(model(), weights(0.0, 0.0, 1.0, 0.0), "p").unwrap();
+        let ex = example(2, false, true, None);
+        let tctx = ex.teacher_context_ids.clone().unwrap();
+        let other: Vec<u32> = ex.answer_ids.iter().rev().copied().collect();
+        let mut prompts = TeacherPrompts::default();
+        let first = tr
+            .teacher_pass_after(&mut prompts, &tctx, &ex.answer_ids)
+            .unwrap();
+        let second = tr.teacher_pass_after(&mut prompts, &tctx, &other).unwrap();
+        assert_eq!(prompts.caches.len(), 1, "one cache for one prompt");
+        assert_eq!(
+            prompts.tokens,
+            (tctx.len() - 1) + ex.answer_ids.len() + other.len(),
+            "the prompt ran once, then each answer after its last token"
+        );
+        // The same numbers as one full pass over prompt and answer.
+        for (shared, answer) in [(&first, &ex.answer_ids), (&second, &other)] {
+            let full = teacher_logits(&tr, &tctx, answer);
+            let diff = max_abs_diff(&full, &shared.logits);
+            assert!(
+                diff < 1e-3,
+                "shared-prompt vs full-pass logits differ by {diff}"
+            );
+        }
+        // Another prompt gets a cache of its own.
+        let cctx = ex.context_ids.clone();
+        let third = tr.teacher_pass_after(&mut prompts, &cctx, &other).unwrap();
+        assert_eq!(prompts.caches.len(), 2);
+        let diff = max_abs_diff(&teacher_logits(&tr, &cctx, &other), &third.logits);
+        assert!(diff < 1e-3, "{diff}");
+        assert!(
+            tr.teacher_pass_after(&mut prompts, &[], &other).is_err()
+                && tr.teacher_pass_after(&mut prompts, &tctx, &[]).is_err(),
+            "an empty prompt or answer is an error"
+        );
+    }
+
+    #[test]
     fn the_teacher_spells_a_given_text_with_its_logits() {
         let mut tr = Trainer::new(model(), weights(0.0, 0.0, 1.0, 0.0), "p").unwrap();
         let (dec, _, ids) = guided_pair();
         tr.set_decoding(dec);
         let tctx = example(1, false, true, None).teacher_context_ids.unwrap();
         let text = r#"{"j": "c", "k": "a"}"#;
-        let spelled = tr.teacher_spells(&tctx, text).unwrap().unwrap();
+        let spelled = tr
+            .teacher_spells(&mut TeacherPrompts::default(), &tctx, text)
+            .unwrap()
+            .unwrap();
         assert_eq!(
             spelled.ids,
             ids(text),
@@ -2080,7 +2212,9 @@ mod tests {
         let diff = max_abs_diff(&full, &spelled.logits);
         assert!(diff < 1e-3, "spelling vs full-pass logits differ by {diff}");
         assert!(
-            tr.teacher_spells(&tctx, "{x}").unwrap().is_none(),
+            tr.teacher_spells(&mut TeacherPrompts::default(), &tctx, "{x}")
+                .unwrap()
+                .is_none(),
             "a character without a token gives up"
         );
     }
@@ -2122,7 +2256,10 @@ mod tests {
         ex.answer_format = Some(rf.clone());
         let tctx = ex.teacher_context_ids.clone().unwrap();
         // Logged: the teacher's own answer with both values changed; `j` is spoken against.
-        let own = tr.teacher_answer(&tctx, None, Some(&rf)).unwrap().unwrap();
+        let own = tr
+            .teacher_answer(&mut TeacherPrompts::default(), &tctx, None, Some(&rf))
+            .unwrap()
+            .unwrap();
         let own = text_of(&tr.decoding().unwrap().vocab, &own.ids);
         let own: serde_json::Value = serde_json::from_str(&own).unwrap();
         let other = |f: &str| ["a", "b", "c"].into_iter().find(|v| own[f] != *v).unwrap();
@@ -2133,6 +2270,7 @@ mod tests {
         t_lp[7] -= 1.0;
         let outcome = tr
             .teacher_edit(
+                &mut TeacherPrompts::default(),
                 &tctx,
                 &ex,
                 &t_lp,
@@ -2180,7 +2318,7 @@ mod tests {
         let tctx = ex.teacher_context_ids.clone().unwrap();
         // The teacher's own answer; the logged one disagrees with it on both fields.
         let own = text(
-            &tr.teacher_answer(&tctx, None, Some(&rf))
+            &tr.teacher_answer(&mut TeacherPrompts::default(), &tctx, None, Some(&rf))
                 .unwrap()
                 .unwrap()
                 .ids,
@@ -2197,7 +2335,14 @@ mod tests {
         t_lp[7] -= 1.0;
         let mut counts = TeacherAnswerCounts::default();
         let outcome = tr
-            .teacher_edit(&tctx, &ex, &t_lp, &s_lp, &mut counts)
+            .teacher_edit(
+                &mut TeacherPrompts::default(),
+                &tctx,
+                &ex,
+                &t_lp,
+                &s_lp,
+                &mut counts,
+            )
             .unwrap();
         let edit = outcome.target.unwrap();
         assert_eq!(outcome.preview.flagged, vec!["j".to_string()]);
@@ -2271,7 +2416,14 @@ mod tests {
         t_lp[7] = s_lp[7] - 0.4;
         let mut counts = TeacherAnswerCounts::default();
         let outcome = tr
-            .teacher_edit(&tctx, &ex, &t_lp, &s_lp, &mut counts)
+            .teacher_edit(
+                &mut TeacherPrompts::default(),
+                &tctx,
+                &ex,
+                &t_lp,
+                &s_lp,
+                &mut counts,
+            )
             .unwrap();
         assert!(outcome.target.is_none() && outcome.preview.flagged.is_empty());
         assert_eq!(counts, TeacherAnswerCounts::default());
@@ -2285,7 +2437,14 @@ mod tests {
         ex.answer_ids = ids("abc");
         let short = vec![-2.0f32; ex.answer_ids.len()];
         let outcome = tr
-            .teacher_edit(&tctx, &ex, &short, &s_lp[..4], &mut counts)
+            .teacher_edit(
+                &mut TeacherPrompts::default(),
+                &tctx,
+                &ex,
+                &short,
+                &s_lp[..4],
+                &mut counts,
+            )
             .unwrap();
         assert!(outcome.target.is_none() && outcome.preview.shifts.is_empty());
     }
@@ -2301,7 +2460,12 @@ mod tests {
         let tctx = ex.teacher_context_ids.clone().unwrap();
         let cctx = ex.control_context_ids.clone().unwrap();
         let own = tr
-            .teacher_answer(&tctx, Some(&cctx), Some(&rf))
+            .teacher_answer(
+                &mut TeacherPrompts::default(),
+                &tctx,
+                Some(&cctx),
+                Some(&rf),
+            )
             .unwrap()
             .unwrap();
         let doc = text(&own.ids);
@@ -2327,7 +2491,10 @@ mod tests {
         for alpha in [1.5, 0.0] {
             tr.cfg.teacher_contrast = alpha;
             let ctl = (alpha == 0.0).then_some(cctx.as_slice());
-            let plain = tr.teacher_answer(&tctx, ctl, Some(&rf)).unwrap().unwrap();
+            let plain = tr
+                .teacher_answer(&mut TeacherPrompts::default(), &tctx, ctl, Some(&rf))
+                .unwrap()
+                .unwrap();
             let full = teacher_logits(&tr, &tctx, &plain.ids);
             assert!(max_abs_diff(&full, &plain.logits) < 1e-3, "α = {alpha}");
         }
