@@ -2192,6 +2192,19 @@ mod tests {
         );
     }
 
+    /// [`Trainer::teacher_edit`] with prompt caches of its own.
+    fn edit_of(
+        tr: &Trainer,
+        tctx: &[u32],
+        ex: &TrainExample,
+        t_lp: &[f32],
+        r_lp: &[f32],
+        counts: &mut TeacherAnswerCounts,
+    ) -> EditOutcome {
+        tr.teacher_edit(&mut TeacherPrompts::default(), tctx, ex, t_lp, r_lp, counts)
+            .unwrap()
+    }
+
     #[test]
     fn the_teacher_spells_a_given_text_with_its_logits() {
         let mut tr = Trainer::new(model(), weights(0.0, 0.0, 1.0, 0.0), "p").unwrap();
@@ -2268,16 +2281,14 @@ mod tests {
         let s_lp = vec![-1.0f32; ex.answer_ids.len()];
         let mut t_lp = s_lp.clone();
         t_lp[7] -= 1.0;
-        let outcome = tr
-            .teacher_edit(
-                &mut TeacherPrompts::default(),
-                &tctx,
-                &ex,
-                &t_lp,
-                &s_lp,
-                &mut TeacherAnswerCounts::default(),
-            )
-            .unwrap();
+        let outcome = edit_of(
+            &tr,
+            &tctx,
+            &ex,
+            &t_lp,
+            &s_lp,
+            &mut TeacherAnswerCounts::default(),
+        );
         let edited = outcome.preview.edited.clone().unwrap();
         assert_eq!(
             edited,
@@ -2334,16 +2345,7 @@ mod tests {
         let mut t_lp = s_lp.clone();
         t_lp[7] -= 1.0;
         let mut counts = TeacherAnswerCounts::default();
-        let outcome = tr
-            .teacher_edit(
-                &mut TeacherPrompts::default(),
-                &tctx,
-                &ex,
-                &t_lp,
-                &s_lp,
-                &mut counts,
-            )
-            .unwrap();
+        let outcome = edit_of(&tr, &tctx, &ex, &t_lp, &s_lp, &mut counts);
         let edit = outcome.target.unwrap();
         assert_eq!(outcome.preview.flagged, vec!["j".to_string()]);
         assert_eq!(
@@ -2415,16 +2417,7 @@ mod tests {
         // confidence is the teacher's log-probs of the logged values.
         t_lp[7] = s_lp[7] - 0.4;
         let mut counts = TeacherAnswerCounts::default();
-        let outcome = tr
-            .teacher_edit(
-                &mut TeacherPrompts::default(),
-                &tctx,
-                &ex,
-                &t_lp,
-                &s_lp,
-                &mut counts,
-            )
-            .unwrap();
+        let outcome = edit_of(&tr, &tctx, &ex, &t_lp, &s_lp, &mut counts);
         assert!(outcome.target.is_none() && outcome.preview.flagged.is_empty());
         assert_eq!(counts, TeacherAnswerCounts::default());
         let want = confidence_of(&logged, &t_lp);
@@ -2436,16 +2429,7 @@ mod tests {
         // An answer that is not a JSON object is not edited.
         ex.answer_ids = ids("abc");
         let short = vec![-2.0f32; ex.answer_ids.len()];
-        let outcome = tr
-            .teacher_edit(
-                &mut TeacherPrompts::default(),
-                &tctx,
-                &ex,
-                &short,
-                &s_lp[..4],
-                &mut counts,
-            )
-            .unwrap();
+        let outcome = edit_of(&tr, &tctx, &ex, &short, &s_lp[..4], &mut counts);
         assert!(outcome.target.is_none() && outcome.preview.shifts.is_empty());
     }
 
