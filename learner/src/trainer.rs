@@ -749,30 +749,8 @@ impl Trainer {
             ));
         }
         if tracked && !self.cfg.prefix_grad && p > 1 {
-            let head = p - 1;
-            let mut cache = KvCache::new();
-            let input = Tensor::from_slice(&prefix[..head], (1, head), dev)?;
-            self.model.hidden(
-                &input,
-                &BatchLayout::dense(1, head, 0),
-                Some(&mut cache),
-                adapters,
-                false,
-            )?;
-            let tail: Vec<u32> = prefix[head..]
-                .iter()
-                .chain(&answer[..n - 1])
-                .copied()
-                .collect();
-            let input = Tensor::from_vec(tail, (1, n), dev)?;
-            let hidden = self.model.hidden(
-                &input,
-                &BatchLayout::dense(1, n, head),
-                Some(&mut cache),
-                adapters,
-                true,
-            )?;
-            return Ok(hidden.squeeze(0)?);
+            let cache = self.prefill(&prefix[..p - 1], adapters)?;
+            return self.hidden_from(cache, prefix, answer, adapters, true);
         }
         let ids: Vec<u32> = prefix.iter().chain(answer).copied().collect();
         let len = ids.len();
@@ -789,6 +767,58 @@ impl Trainer {
         Ok(if tracked { rows } else { rows.detach() })
     }
 
+    /// A KV cache of `ids` (no graph) under `adapters`; empty when `ids` is.
+    fn prefill(&self, ids: &[u32], adapters: &AdapterSelection) -> Result<KvCache> {
+        let mut cache = KvCache::new();
+        if !ids.is_empty() {
+            let input = Tensor::from_slice(ids, (1, ids.len()), self.model.device())?;
+            self.model.hidden(
+                &input,
+                &BatchLayout::dense(1, ids.len(), 0),
+                Some(&mut cache),
+                adapters,
+                false,
+            )?;
+        }
+        Ok(cache)
+    }
+
+    /// [`Trainer::answer_hidden`] from `cache`, which holds `prefix` but at least its last
+    /// token: runs the rest of `prefix` and `answer`'s first n - 1 tokens (`train` keeps their
+    /// graph) and returns the n positions that predict `answer`. `answer` is not empty.
+    fn hidden_from(
+        &self,
+        mut cache: KvCache,
+        prefix: &[u32],
+        answer: &[u32],
+        adapters: &AdapterSelection,
+        train: bool,
+    ) -> Result<Tensor> {
+        let (head, n) = (cache.len(), answer.len());
+        let tail: Vec<u32> = prefix[head..]
+            .iter()
+            .chain(&answer[..n - 1])
+            .copied()
+            .collect();
+        let input = Tensor::from_vec(tail, (1, n), self.model.device())?;
+        let hidden = self.model.hidden(
+            &input,
+            &BatchLayout::dense(1, n, head),
+            Some(&mut cache),
+            adapters,
+            train,
+        )?;
+        Ok(hidden.squeeze(0)?)
+    }
+
+    /// The logits of the positions `rows` that predict `answer`, and `answer`'s log-probs.
+    fn pass_from_rows(&self, rows: &Tensor, answer: &[u32]) -> Result<AnswerPass> {
+        let logits = self.model.logits(rows)?;
+        let targets = Tensor::from_slice(answer, answer.len(), self.model.device())?;
+        let logprobs = token_logprobs(&logits, &targets)?;
+        Ok(AnswerPass { logits, logprobs })
+    }
+
     /// Runs the model on `prefix ++ answer` and returns the answer positions' logits and the
     /// log-probs of `answer`. `tracked` = training forward of the policy.
     fn answer_pass(
@@ -799,10 +829,7 @@ impl Trainer {
         tracked: bool,
     ) -> Result<AnswerPass> {
         let rows = self.answer_hidden(prefix, answer, adapters, tracked)?;
-        let logits = self.model.logits(&rows)?;
-        let targets = Tensor::from_slice(answer, answer.len(), self.model.device())?;
-        let logprobs = token_logprobs(&logits, &targets)?;
-        Ok(AnswerPass { logits, logprobs })
+        self.pass_from_rows(&rows, answer)
     }
 
     /// A copy of the teacher's cache of `ctx` without its last token, from `prompts` or run
@@ -814,18 +841,8 @@ impl Trainer {
         if let Some((_, cache)) = prompts.caches.iter().find(|(c, _)| c == ctx) {
             return Ok(cache.clone());
         }
-        let mut cache = KvCache::new();
-        if head > 0 {
-            let input = Tensor::from_slice(&ctx[..head], (1, head), self.model.device())?;
-            self.model.hidden(
-                &input,
-                &BatchLayout::dense(1, head, 0),
-                Some(&mut cache),
-                &AdapterSelection::All(&self.teacher),
-                false,
-            )?;
-            prompts.tokens += head;
-        }
+        let cache = self.prefill(&ctx[..head], &AdapterSelection::All(&self.teacher))?;
+        prompts.tokens += head;
         prompts.caches.push((ctx.to_vec(), cache.clone()));
         Ok(cache)
     }
@@ -842,30 +859,11 @@ impl Trainer {
         if n == 0 {
             return Err(LearnerError::InvalidArgument("empty answer".into()));
         }
-        let mut cache = self.prompt_cache(prompts, ctx)?;
-        let head = cache.len();
-        let dev = self.model.device();
-        let tail: Vec<u32> = ctx[head..]
-            .iter()
-            .chain(&answer[..n - 1])
-            .copied()
-            .collect();
-        let input = Tensor::from_vec(tail, (1, n), dev)?;
-        let rows = self
-            .model
-            .hidden(
-                &input,
-                &BatchLayout::dense(1, n, head),
-                Some(&mut cache),
-                &AdapterSelection::All(&self.teacher),
-                false,
-            )?
-            .squeeze(0)?;
+        let cache = self.prompt_cache(prompts, ctx)?;
+        let teacher = AdapterSelection::All(&self.teacher);
+        let rows = self.hidden_from(cache, ctx, answer, &teacher, false)?;
         prompts.tokens += n;
-        let logits = self.model.logits(&rows)?;
-        let targets = Tensor::from_slice(answer, n, dev)?;
-        let logprobs = token_logprobs(&logits, &targets)?;
-        Ok(AnswerPass { logits, logprobs })
+        self.pass_from_rows(&rows, answer)
     }
 
     /// The policy's training pass (tracked) over `answer` after `prefix`.
