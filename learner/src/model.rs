@@ -165,6 +165,72 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Real (not padding) tokens cached per row: the position each row's next token takes.
+    pub fn row_lengths(&self) -> Vec<usize> {
+        self.valid
+            .iter()
+            .map(|row| row.iter().filter(|v| **v).count())
+            .collect()
+    }
+
+    /// The rows of `caches`, in order, as one cache, each left-padded to the longest with
+    /// masked (zero) keys and values: streams with prompts of different lengths decode in one
+    /// batch, a new token of row `r` at position `row_lengths()[r]`. A cache with nothing in
+    /// it ([`KvCache::new`]) counts as one row.
+    pub fn stack_left_padded<'a>(caches: &[&'a KvCache]) -> Result<Self> {
+        let s = caches.iter().map(|c| c.len()).max().unwrap_or(0);
+        let rows = |c: &KvCache| c.valid.len().max(1);
+        let mut valid = Vec::with_capacity(caches.iter().map(|c| rows(c)).sum());
+        for c in caches {
+            if c.valid.is_empty() {
+                valid.push(vec![false; s]);
+            }
+            for row in &c.valid {
+                let mut v = vec![false; s - row.len()];
+                v.extend_from_slice(row);
+                valid.push(v);
+            }
+        }
+        let n_layers = caches.iter().map(|c| c.layers.len()).max().unwrap_or(0);
+        let mut layers = Vec::with_capacity(n_layers);
+        for i in 0..n_layers {
+            let layer = |c: &'a KvCache| c.layers.get(i).and_then(Option::as_ref);
+            // A cache with tokens has every layer's keys; the first one gives the shape.
+            let Some((like, _)) = caches.iter().find_map(|c| layer(c)) else {
+                layers.push(None);
+                continue;
+            };
+            let (_, kv_heads, _, head_dim) = like.dims4()?;
+            let (mut ks, mut vs) = (Vec::new(), Vec::new());
+            for c in caches {
+                match layer(c) {
+                    Some((k, v)) => {
+                        let pad = s - k.dim(2)?;
+                        ks.push(k.pad_with_zeros(2, pad, 0)?);
+                        vs.push(v.pad_with_zeros(2, pad, 0)?);
+                    }
+                    None if c.is_empty() => {
+                        let zeros = Tensor::zeros(
+                            (rows(c), kv_heads, s, head_dim),
+                            like.dtype(),
+                            like.device(),
+                        )?;
+                        ks.push(zeros.clone());
+                        vs.push(zeros);
+                    }
+                    None => {
+                        return Err(LearnerError::InvalidArgument(format!(
+                            "a cache of {} tokens has no keys for layer {i}",
+                            c.len()
+                        )))
+                    }
+                }
+            }
+            layers.push(Some((Tensor::cat(&ks, 0)?, Tensor::cat(&vs, 0)?)));
+        }
+        Ok(Self { layers, valid })
+    }
 }
 
 /// A Llama-family decoder-only model.

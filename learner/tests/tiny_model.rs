@@ -634,6 +634,74 @@ fn left_padded_batched_decoding_matches_single_streams() {
     }
 }
 
+#[test]
+fn caches_of_different_lengths_stack_into_one_left_padded_batch() {
+    let model = tiny_model(Architecture::Llama, DType::F32);
+    let adapter = random_adapter("a", model.config(), 8);
+    let sel = AdapterSelection::All(&adapter);
+    let dev = Device::Cpu;
+    // Three prompts cached apart, all but their last token: 6 tokens, 3, and none.
+    let prompts: [&[u32]; 3] = [SEQ_A, SEQ_B, &[42]];
+    let caches: Vec<KvCache> = prompts
+        .iter()
+        .map(|p| {
+            let mut cache = KvCache::new();
+            let head = &p[..p.len() - 1];
+            if !head.is_empty() {
+                model
+                    .forward(
+                        &ids(&[head], &dev),
+                        &BatchLayout::dense(1, head.len(), 0),
+                        Some(&mut cache),
+                        &sel,
+                    )
+                    .unwrap();
+            }
+            cache
+        })
+        .collect();
+    let mut cache = KvCache::stack_left_padded(&caches.iter().collect::<Vec<_>>()).unwrap();
+    assert_eq!(cache.len(), SEQ_A.len() - 1);
+    assert_eq!(cache.row_lengths(), vec![6, 3, 0]);
+    // Decode four greedy steps of the three rows in one batch, each at its own position.
+    let mut seqs: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+    let mut input: Vec<u32> = prompts.iter().map(|p| p[p.len() - 1]).collect();
+    let mut positions: Vec<u32> = cache.row_lengths().iter().map(|&n| n as u32).collect();
+    let mut last = None;
+    for step in 0..4 {
+        let layout = BatchLayout::new(3, 1, positions.clone(), vec![true; 3]).unwrap();
+        let x = Tensor::from_vec(input.clone(), (3, 1), &dev).unwrap();
+        let out = model
+            .forward_last(&x, &layout, Some(&mut cache), &sel)
+            .unwrap();
+        if step < 3 {
+            input = hindsight_learner::argmax_rows(&out).unwrap();
+            for (s, n) in seqs.iter_mut().zip(&input) {
+                s.push(*n);
+            }
+            positions.iter_mut().for_each(|p| *p += 1);
+        }
+        last = Some(out);
+    }
+    let last = last.unwrap();
+    assert_eq!(cache.row_lengths(), vec![10, 7, 4]);
+    // Each row's logits equal one forward over its whole sequence, alone.
+    for (r, seq) in seqs.iter().enumerate() {
+        let full = logits(&model, &[seq], &sel);
+        let want = full
+            .narrow(1, seq.len() - 1, 1)
+            .unwrap()
+            .squeeze(1)
+            .unwrap();
+        let got = last.narrow(0, r, 1).unwrap();
+        assert!(max_abs_diff(&got, &want) < 1e-4, "row {r}");
+    }
+    // Nothing but empty caches: rows with nothing cached yet.
+    let empty = KvCache::new();
+    let none = KvCache::stack_left_padded(&[&empty, &empty]).unwrap();
+    assert_eq!(none.row_lengths(), vec![0, 0]);
+}
+
 /// The dtype-generic path that GPUs use (bf16 base weights, f32 adapters), exercised on the CPU.
 #[test]
 fn bf16_base_weights_forward_and_backward() {
