@@ -896,8 +896,8 @@ impl Trainer {
 
     /// Decodes after `tctx` with the teacher (KV cache): `next` picks each token from the
     /// teacher's logits (`None`: give up). With `control = (cctx, α)` the logits are
-    /// `(1 + α)·teacher − α·control`, the control decoding the same tokens after `cctx` as the
-    /// second row of the same batch. Ends at the end-of-turn token; `None` when `next` gives up or the
+    /// `(1 + α)·teacher − α·control`, the control decoding the same tokens after `cctx` in a
+    /// cache of its own. Ends at the end-of-turn token; `None` when `next` gives up or the
     /// answer does not end within `teacher_answer_max_tokens`. Returns the tokens and the
     /// logits (contrasted when `control` is given) at the positions that predict them. Each
     /// stream starts from its prompt's cache in `prompts`.
@@ -911,40 +911,34 @@ impl Trainer {
     ) -> Result<Option<TeacherAnswer>> {
         let dev = self.model.device();
         let adapters = AdapterSelection::All(&self.teacher);
-        // One decoding stream per prompt, the teacher's then the control's, as the rows of one
-        // batch: both read the weights once per token, which is what decoding on a CPU costs.
-        // Each row starts from its prompt's cache (all but the prompt's last token, left-padded
-        // to the longer prompt) with that last token as its first input.
-        let ctxs: Vec<&[u32]> = std::iter::once(tctx)
-            .chain(control.map(|(cctx, _)| cctx))
-            .collect();
-        let mut caches = Vec::with_capacity(ctxs.len());
-        let mut inputs = Vec::with_capacity(ctxs.len());
-        for ctx in &ctxs {
-            caches.push(self.prompt_cache(prompts, ctx)?);
-            inputs.extend(ctx.last());
+        // One decoding stream per prompt, the teacher's then the control's: its cache and the
+        // prompt's token(s) not in it, the first input.
+        let mut streams = Vec::with_capacity(2);
+        for ctx in std::iter::once(tctx).chain(control.map(|(cctx, _)| cctx)) {
+            let cache = self.prompt_cache(prompts, ctx)?;
+            let rest = ctx[cache.len()..].to_vec();
+            streams.push((cache, rest));
         }
-        let b = caches.len();
-        let mut cache = if b == 1 {
-            caches.swap_remove(0)
-        } else {
-            KvCache::stack_left_padded(&caches.iter().collect::<Vec<_>>())?
-        };
-        let mut positions: Vec<u32> = cache.row_lengths().iter().map(|&p| p as u32).collect();
+        let mut last: Option<u32> = None;
         let (mut ids, mut rows) = (Vec::new(), Vec::new());
         for _ in 0..self.cfg.teacher_answer_max_tokens {
-            let layout = BatchLayout::new(b, 1, positions.clone(), vec![true; b])?;
-            let input = Tensor::from_slice(&inputs, (b, 1), dev)?;
-            prompts.tokens += b;
-            let logits = self
-                .model
-                .forward_last(&input, &layout, Some(&mut cache), &adapters)?;
-            let logits = match control {
-                Some((_, alpha)) => {
-                    let (t, c) = (logits.narrow(0, 0, 1)?, logits.narrow(0, 1, 1)?);
-                    ((t * (1.0 + alpha))? - (c * alpha)?)?
-                }
-                None => logits,
+            let mut logits = Vec::with_capacity(streams.len());
+            for (cache, rest) in &mut streams {
+                let input: &[u32] = match &last {
+                    None => rest,
+                    Some(id) => std::slice::from_ref(id),
+                };
+                let layout = BatchLayout::dense(1, input.len(), cache.len());
+                let input = Tensor::from_slice(input, (1, input.len()), dev)?;
+                prompts.tokens += layout.seq();
+                logits.push(
+                    self.model
+                        .forward_last(&input, &layout, Some(cache), &adapters)?,
+                );
+            }
+            let logits = match (control, logits.as_slice()) {
+                (Some((_, alpha)), [t, c]) => ((t * (1.0 + alpha))? - (c * alpha)?)?,
+                _ => logits.swap_remove(0),
             };
             let row: Vec<f32> = logits.squeeze(0)?.to_vec1()?;
             rows.push(logits);
@@ -958,8 +952,7 @@ impl Trainer {
                     ids,
                 }));
             }
-            inputs = vec![id; b];
-            positions.iter_mut().for_each(|p| *p += 1);
+            last = Some(id);
         }
         Ok(None)
     }
@@ -2447,11 +2440,7 @@ mod tests {
         tr.set_decoding(dec);
         let ex = example(3, false, true, None);
         let tctx = ex.teacher_context_ids.clone().unwrap();
-        // A control prompt shorter than the hindsight one, as a real control note can be: the
-        // decoding's two rows (one batch) are left-padded to each other.
-        let mut cctx = ex.control_context_ids.clone().unwrap();
-        cctx.remove(3);
-        assert!(cctx.len() < tctx.len());
+        let cctx = ex.control_context_ids.clone().unwrap();
         let own = tr
             .teacher_answer(
                 &mut TeacherPrompts::default(),
