@@ -16,6 +16,15 @@ python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ig
 export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/}"
 export RUST_BACKTRACE=1
+# candle's CPU matmul re-reads /proc/cpuinfo on every call unless RAYON_NUM_THREADS is set (see
+# `settle_cpu_threads` in learner/src/device.rs, which the binaries call first thing). Test
+# binaries have threads from the start, so the count is set here: the physical cores, which is
+# what candle picks itself.
+if [[ -z "${RAYON_NUM_THREADS:-}" ]]; then
+  RAYON_NUM_THREADS="$({ lscpu -p=Core,Socket 2>/dev/null | grep -v '^#' | sort -u | wc -l; } || true)"
+  [[ "$RAYON_NUM_THREADS" -gt 0 ]] || RAYON_NUM_THREADS="$(nproc)"
+  export RAYON_NUM_THREADS
+fi
 # Kafka-backed tests use unique topics and consumer groups, so the two test threads of a
 # binary never see each other's data; binaries run one after another (the outage test stops
 # the broker and must be alone).

@@ -305,8 +305,16 @@ async fn run_eval(args: hindsight_eval::EvalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // First, while this is the only thread: it writes the environment.
+    hindsight_learner::settle_cpu_threads();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     match cli.command {

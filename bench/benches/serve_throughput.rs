@@ -42,8 +42,16 @@ async fn one(http: &reqwest::Client, base: &str, i: usize) -> Result<usize> {
     tokens.context("no usage chunk")
 }
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // First, while this is the only thread: it writes the environment.
+    hindsight_learner::settle_cpu_threads();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> Result<()> {
     let model = std::env::var_os("HINDSIGHT_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| {

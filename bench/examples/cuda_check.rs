@@ -471,6 +471,8 @@ where
 }
 
 fn main() -> Result<()> {
+    // First, while this is the only thread: it writes the environment.
+    hindsight_learner::settle_cpu_threads();
     let out_path = std::env::args()
         .nth(1)
         .map(PathBuf::from)

@@ -115,6 +115,8 @@ fn is_wrong(text: &str, field: &str, expected: &Value) -> bool {
 }
 
 fn main() -> anyhow::Result<()> {
+    // First, while this is the only thread: it writes the environment.
+    hindsight_learner::settle_cpu_threads();
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(40);
     let wanted = args

@@ -92,6 +92,8 @@ fn parse() -> Result<Args> {
 }
 
 fn main() -> Result<()> {
+    // First, while this is the only thread: it writes the environment.
+    hindsight_learner::settle_cpu_threads();
     let a = parse()?;
     if !a.child && !a.trace {
         // One child per length: each peak is its own.

@@ -42,6 +42,8 @@ fn next_logprobs(bundle: &ModelBundle, text: &str) -> anyhow::Result<Vec<f32>> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // First, while this is the only thread: it writes the environment.
+    hindsight_learner::settle_cpu_threads();
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(20);
     let style = match args.next().as_deref() {

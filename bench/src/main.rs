@@ -230,8 +230,16 @@ fn write_or_print(out: Option<&PathBuf>, text: &str) -> anyhow::Result<()> {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // First, while this is the only thread: it writes the environment.
+    hindsight_learner::settle_cpu_threads();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run())
+}
+
+async fn run() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         // Without RUST_LOG: our progress lines (each baseline as it is measured, traffic
         // summaries) and warnings, so a long run read from a log file is not silent.

@@ -23,6 +23,8 @@ fn rss_mib() -> u64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // First, while this is the only thread: it writes the environment.
+    hindsight_learner::settle_cpu_threads();
     let objectives = std::env::args().nth(1).unwrap_or_else(|| "distill".into());
     let bundle = ModelBundle::load(
         std::path::Path::new("models/SmolLM2-135M-Instruct.Q4_1.gguf"),

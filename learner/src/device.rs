@@ -144,6 +144,22 @@ mod tests {
     use super::*;
 
     #[test]
+    fn only_a_positive_thread_count_counts_as_set() {
+        assert_eq!(threads_set(Some("2")), Some(2));
+        // What candle and rayon would not parse leaves the count unset (then it is settled).
+        for unset in [
+            None,
+            Some(""),
+            Some("0"),
+            Some(" 2"),
+            Some("two"),
+            Some("-1"),
+        ] {
+            assert_eq!(threads_set(unset), None, "{unset:?}");
+        }
+    }
+
+    #[test]
     fn device_specs_parse_and_print_back() {
         for (s, d) in [
             ("cpu", DeviceSpec::Cpu),
@@ -192,4 +208,36 @@ mod tests {
             .to_string();
         assert!(e.contains("gpu7"), "{e}");
     }
+}
+
+/// The environment variable candle's CPU backend reads for its thread count.
+pub const CPU_THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// Settles the CPU thread count for the rest of the process: when `RAYON_NUM_THREADS` is not
+/// set, sets it to the count candle would pick itself (its physical cores, or `CANDLE_CPU_MASK`),
+/// and returns the count in use. Call it first thing in `main`, before any other thread exists
+/// (it writes the environment).
+///
+/// Why: candle-core 0.11's CPU matmul asks for its thread count on every call, and without the
+/// variable that means reading and parsing `/proc/cpuinfo` each time (`num_cpus::get_physical`):
+/// a system call and kernel formatting per matrix product. On this project's 2-vCPU machine that
+/// was 31% of the edit probe's wall time (README, "Each teacher prompt runs once per example").
+/// With the variable set, the same call is an environment lookup. The count is unchanged, so
+/// results are too.
+pub fn settle_cpu_threads() -> usize {
+    match threads_set(std::env::var(CPU_THREADS_VAR).ok().as_deref()) {
+        Some(n) => n,
+        None => {
+            // Reads /proc/cpuinfo once, as candle would on every matmul.
+            let n = candle_core::utils::get_num_threads().max(1);
+            std::env::set_var(CPU_THREADS_VAR, n.to_string());
+            n
+        }
+    }
+}
+
+/// The thread count a value of [`CPU_THREADS_VAR`] sets, as candle and rayon read it (a
+/// positive integer; anything else counts as unset).
+fn threads_set(value: Option<&str>) -> Option<usize> {
+    value?.parse::<usize>().ok().filter(|n| *n > 0)
 }
