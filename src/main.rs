@@ -306,12 +306,8 @@ async fn run_eval(args: hindsight_eval::EvalArgs) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    // First, while this is the only thread: it writes the environment.
-    hindsight_learner::settle_cpu_threads();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(run())
+    // Not `#[tokio::main]`: the thread count is settled before the runtime's threads exist.
+    hindsight_learner::run_settled(run())?
 }
 
 async fn run() -> anyhow::Result<()> {

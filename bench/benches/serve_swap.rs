@@ -34,12 +34,8 @@ struct Cli {
 }
 
 fn main() -> Result<()> {
-    // First, while this is the only thread: it writes the environment.
-    hindsight_learner::settle_cpu_threads();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(run())
+    // Not `#[tokio::main]`: the thread count is settled before the runtime's threads exist.
+    hindsight_learner::run_settled(run())?
 }
 
 async fn run() -> Result<()> {

@@ -236,6 +236,17 @@ pub fn settle_cpu_threads() -> usize {
     }
 }
 
+/// `main`'s body for an async binary that runs the model: [`settle_cpu_threads`] while this is
+/// the only thread, then `fut` on a multi-threaded tokio runtime. Fails only when the runtime
+/// cannot be built.
+pub fn run_settled<F: std::future::Future>(fut: F) -> std::io::Result<F::Output> {
+    settle_cpu_threads();
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(fut))
+}
+
 /// The thread count a value of [`CPU_THREADS_VAR`] sets, as candle and rayon read it (a
 /// positive integer; anything else counts as unset).
 fn threads_set(value: Option<&str>) -> Option<usize> {

@@ -23,7 +23,7 @@ pub mod trainer;
 
 pub use chat::{content_text, prompt_tools, tool_instructions, ChatInputError, ChatTemplate};
 pub use config::{Architecture, HfConfig, ModelConfig};
-pub use device::{settle_cpu_threads, DeviceSpec, WeightDType, CPU_THREADS_VAR};
+pub use device::{run_settled, settle_cpu_threads, DeviceSpec, WeightDType, CPU_THREADS_VAR};
 pub use error::{LearnerError, Result};
 pub use generate::{
     generate, generate_greedy, generate_stream, log_softmax, sample_token,
