@@ -272,7 +272,9 @@ async fn the_run_is_deterministic_for_a_seed() {
         let mut cfg = run_config(&base, Variant::Multi, 0.2);
         cfg.user = UserConfig::default();
         let summary = run_env(cfg).await.unwrap();
-        let key: Vec<(String, Option<Value>, u64, Option<bool>, Option<String>)> = summary
+        // Per episode: ticket, answer, tool failures, thumbs, comment.
+        type Key = (String, Option<Value>, u64, Option<bool>, Option<String>);
+        let key: Vec<Key> = summary
             .outcomes
             .iter()
             .map(|o| {

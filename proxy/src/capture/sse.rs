@@ -332,28 +332,25 @@ fn fold_finish_and_logprobs(acc: &mut ChoiceAcc, choice: &Value) {
             acc.finish_reason = fr.clone();
         }
     }
-    match choice.get("logprobs") {
-        Some(Value::Object(lp)) => {
-            acc.saw_logprobs = true;
-            if let Some(Value::Array(content)) = lp.get("content") {
-                acc.logprobs_content.extend(content.iter().cloned());
+    if let Some(Value::Object(lp)) = choice.get("logprobs") {
+        acc.saw_logprobs = true;
+        if let Some(Value::Array(content)) = lp.get("content") {
+            acc.logprobs_content.extend(content.iter().cloned());
+        }
+        // Legacy completions shape: parallel arrays (tokens, token_logprobs, …).
+        for (k, v) in lp {
+            if k == "content" || k == "refusal" {
+                continue;
             }
-            // Legacy completions shape: parallel arrays (tokens, token_logprobs, …).
-            for (k, v) in lp {
-                if k == "content" || k == "refusal" {
-                    continue;
-                }
-                if let Value::Array(items) = v {
-                    match acc.legacy_logprobs.get_mut(k) {
-                        Some(Value::Array(existing)) => existing.extend(items.iter().cloned()),
-                        _ => {
-                            acc.legacy_logprobs.insert(k.clone(), v.clone());
-                        }
+            if let Value::Array(items) = v {
+                match acc.legacy_logprobs.get_mut(k) {
+                    Some(Value::Array(existing)) => existing.extend(items.iter().cloned()),
+                    _ => {
+                        acc.legacy_logprobs.insert(k.clone(), v.clone());
                     }
                 }
             }
         }
-        _ => {}
     }
 }
 
