@@ -139,6 +139,48 @@ impl fmt::Display for WeightDType {
     }
 }
 
+/// The environment variable candle's CPU backend reads for its thread count.
+pub const CPU_THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// Settles the CPU thread count for the rest of the process: when `RAYON_NUM_THREADS` is not
+/// set, sets it to the count candle would pick itself (its physical cores, or `CANDLE_CPU_MASK`),
+/// and returns the count in use. Call it first thing in `main`, before any other thread exists
+/// (it writes the environment).
+///
+/// Why: candle-core 0.11's CPU matmul asks for its thread count on every call, and without the
+/// variable that means reading and parsing `/proc/cpuinfo` each time (`num_cpus::get_physical`):
+/// a system call and kernel formatting per matrix product (measured in the README, "The CPU
+/// thread count is settled once per process"). With the variable set, the same call is an
+/// environment lookup. The count is unchanged, so results are too.
+pub fn settle_cpu_threads() -> usize {
+    match threads_set(std::env::var(CPU_THREADS_VAR).ok().as_deref()) {
+        Some(n) => n,
+        None => {
+            // Reads /proc/cpuinfo once, as candle would on every matmul.
+            let n = candle_core::utils::get_num_threads().max(1);
+            std::env::set_var(CPU_THREADS_VAR, n.to_string());
+            n
+        }
+    }
+}
+
+/// `main`'s body for an async binary that runs the model: [`settle_cpu_threads`] while this is
+/// the only thread, then `fut` on a multi-threaded tokio runtime. Fails only when the runtime
+/// cannot be built.
+pub fn run_settled<F: std::future::Future>(fut: F) -> std::io::Result<F::Output> {
+    settle_cpu_threads();
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(fut))
+}
+
+/// The thread count a value of [`CPU_THREADS_VAR`] sets, as candle and rayon read it (a
+/// positive integer; anything else counts as unset).
+fn threads_set(value: Option<&str>) -> Option<usize> {
+    value?.parse::<usize>().ok().filter(|n| *n > 0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -208,47 +250,4 @@ mod tests {
             .to_string();
         assert!(e.contains("gpu7"), "{e}");
     }
-}
-
-/// The environment variable candle's CPU backend reads for its thread count.
-pub const CPU_THREADS_VAR: &str = "RAYON_NUM_THREADS";
-
-/// Settles the CPU thread count for the rest of the process: when `RAYON_NUM_THREADS` is not
-/// set, sets it to the count candle would pick itself (its physical cores, or `CANDLE_CPU_MASK`),
-/// and returns the count in use. Call it first thing in `main`, before any other thread exists
-/// (it writes the environment).
-///
-/// Why: candle-core 0.11's CPU matmul asks for its thread count on every call, and without the
-/// variable that means reading and parsing `/proc/cpuinfo` each time (`num_cpus::get_physical`):
-/// a system call and kernel formatting per matrix product. On this project's 2-vCPU machine that
-/// was 31% of the edit probe's wall time (README, "Each teacher prompt runs once per example").
-/// With the variable set, the same call is an environment lookup. The count is unchanged, so
-/// results are too.
-pub fn settle_cpu_threads() -> usize {
-    match threads_set(std::env::var(CPU_THREADS_VAR).ok().as_deref()) {
-        Some(n) => n,
-        None => {
-            // Reads /proc/cpuinfo once, as candle would on every matmul.
-            let n = candle_core::utils::get_num_threads().max(1);
-            std::env::set_var(CPU_THREADS_VAR, n.to_string());
-            n
-        }
-    }
-}
-
-/// `main`'s body for an async binary that runs the model: [`settle_cpu_threads`] while this is
-/// the only thread, then `fut` on a multi-threaded tokio runtime. Fails only when the runtime
-/// cannot be built.
-pub fn run_settled<F: std::future::Future>(fut: F) -> std::io::Result<F::Output> {
-    settle_cpu_threads();
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(fut))
-}
-
-/// The thread count a value of [`CPU_THREADS_VAR`] sets, as candle and rayon read it (a
-/// positive integer; anything else counts as unset).
-fn threads_set(value: Option<&str>) -> Option<usize> {
-    value?.parse::<usize>().ok().filter(|n| *n > 0)
 }
