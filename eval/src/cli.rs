@@ -264,21 +264,10 @@ pub fn render_summary(report: &EvalReport) -> String {
         );
     }
     if let Some(c) = &report.comparison {
-        let e = &c.exact_match;
         let _ = writeln!(
             out,
-            "{} − {} over {} paired items: exact match {:+.1} pts (95% CI {:+.1} … {:+.1}, bootstrap; normal {:+.1} … {:+.1}); B better on {}, A better on {}, ties {}",
-            c.b,
-            c.a,
-            c.items,
-            100.0 * e.diff,
-            100.0 * e.ci95[0],
-            100.0 * e.ci95[1],
-            100.0 * e.ci95_normal[0],
-            100.0 * e.ci95_normal[1],
-            e.b_better,
-            e.a_better,
-            e.ties
+            "{} − {} over {} paired items: exact match {}",
+            c.b, c.a, c.items, c.exact_match
         );
         if let Some(f) = &c.field_accuracy {
             let _ = writeln!(

@@ -29,6 +29,33 @@ pub struct PairedDiff {
     pub ties: usize,
 }
 
+impl PairedDiff {
+    /// B is better than A beyond the noise of which items were drawn: both 95% intervals (the
+    /// bootstrap's and the normal approximation's) lie above zero.
+    pub fn clearly_positive(&self) -> bool {
+        self.ci95[0] > 0.0 && self.ci95_normal[0] > 0.0
+    }
+}
+
+/// In points (per-item rates × 100): `+25.0 pts (95% CI +6.2 … +43.8, bootstrap; normal +3.1 …
+/// +46.9); B better on 4, A better on 0, ties 12`.
+impl std::fmt::Display for PairedDiff {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:+.1} pts (95% CI {:+.1} … {:+.1}, bootstrap; normal {:+.1} … {:+.1}); B better on {}, A better on {}, ties {}",
+            100.0 * self.diff,
+            100.0 * self.ci95[0],
+            100.0 * self.ci95[1],
+            100.0 * self.ci95_normal[0],
+            100.0 * self.ci95_normal[1],
+            self.b_better,
+            self.a_better,
+            self.ties
+        )
+    }
+}
+
 /// The comparison of run B against run A.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Comparison {
@@ -192,6 +219,39 @@ mod tests {
         assert_eq!((d.b_better, d.a_better, d.ties), (30, 0, 20));
         // Deterministic for a seed.
         assert_eq!(paired_diff(&pairs, 5000, 1), d);
+    }
+
+    #[test]
+    fn clearly_positive_needs_both_intervals_above_zero() {
+        // k of 16 items gained, none lost: 4 is the fewest both intervals put above zero.
+        let gained = |k: usize| -> Vec<(f64, f64)> {
+            (0..16)
+                .map(|i| (0.0, if i < k { 1.0 } else { 0.0 }))
+                .collect()
+        };
+        assert!(paired_diff(&gained(4), 10_000, 0).clearly_positive());
+        assert!(!paired_diff(&gained(3), 10_000, 0).clearly_positive());
+        assert!(!paired_diff(&gained(0), 10_000, 0).clearly_positive());
+        // Gains offset by losses are not a gain.
+        let mixed: Vec<(f64, f64)> = (0..20)
+            .map(|i| match i {
+                0..=4 => (0.0, 1.0),
+                5..=7 => (1.0, 0.0),
+                _ => (0.0, 0.0),
+            })
+            .collect();
+        let d = paired_diff(&mixed, 10_000, 0);
+        assert!(!d.clearly_positive(), "{d}");
+        assert_eq!(
+            d.to_string(),
+            format!(
+                "+10.0 pts (95% CI {:+.1} … {:+.1}, bootstrap; normal {:+.1} … {:+.1}); B better on 5, A better on 3, ties 12",
+                100.0 * d.ci95[0],
+                100.0 * d.ci95[1],
+                100.0 * d.ci95_normal[0],
+                100.0 * d.ci95_normal[1]
+            )
+        );
     }
 
     #[test]
