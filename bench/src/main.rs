@@ -124,6 +124,10 @@ struct RunArgs {
     /// Delay between an answer and its feedback, ms.
     #[arg(long, default_value_t = 1000)]
     feedback_delay_ms: u64,
+    /// Send all feedback after the run's answers, in episode order (reproducible training
+    /// order downstream) instead of each `feedback_delay_ms` after its answer.
+    #[arg(long)]
+    feedback_in_order: bool,
     /// Share of deliberately wrong feedback.
     #[arg(long, default_value_t = 0.1)]
     noise_rate: f64,
@@ -296,6 +300,7 @@ async fn run() -> anyhow::Result<()> {
                         .unwrap_or_else(|| origin(&a.agent)),
                     secret: a.secret.clone(),
                     delay_ms: a.feedback_delay_ms,
+                    in_episode_order: a.feedback_in_order,
                 });
             }
             let summary = run_env(cfg).await?;

@@ -28,6 +28,9 @@ struct Agent {
     calls: AtomicUsize,
     episodes: Mutex<Vec<String>>,
     hindsight_seen: AtomicUsize,
+    /// Answer episode `n` of `<run>-<n>` after (10 - n) x 50 ms, so the first episodes finish
+    /// last (as a server's timing may make them).
+    later_first: bool,
 }
 
 fn decide(_order: &Value, customer: &Value, text: &str, with_feedback: bool) -> Value {
@@ -57,6 +60,13 @@ async fn agent_chat(
         .and_then(|v| v.to_str().ok())
     {
         agent.episodes.lock().unwrap().push(ep.to_string());
+        if agent.later_first {
+            let n: u64 = ep.rsplit('-').next().unwrap().parse().unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(
+                10u64.saturating_sub(n) * 50,
+            ))
+            .await;
+        }
     }
     let messages = body["messages"].as_array().unwrap();
     let all_text: String = messages
@@ -190,6 +200,7 @@ fn run_config(base: &str, variant: Variant, failure_rate: f64) -> EnvRunConfig {
         endpoint: base.to_string(),
         secret: Some(SECRET.into()),
         delay_ms: 10,
+        in_episode_order: false,
     });
     cfg.user = UserConfig {
         noise_rate: 0.0,
@@ -243,6 +254,41 @@ async fn run_sends_signed_feedback_for_each_answer() {
     let keys = hook.keys.lock().unwrap();
     let unique: std::collections::HashSet<_> = keys.iter().collect();
     assert_eq!(unique.len(), keys.len());
+}
+
+#[tokio::test]
+async fn feedback_in_episode_order_follows_the_episodes_not_the_answers() {
+    // Episodes 0..9 all in flight at once; the first ones are answered last.
+    let sent_order = |in_episode_order: bool| async move {
+        let agent = Arc::new(Agent {
+            later_first: true,
+            ..Agent::default()
+        });
+        let hook = Arc::new(Webhook::default());
+        let base = spawn(agent, hook.clone()).await;
+        let mut cfg = run_config(&base, Variant::Single, 0.0);
+        cfg.episodes = 10;
+        cfg.concurrency = 10;
+        if let Some(f) = cfg.feedback.as_mut() {
+            f.in_episode_order = in_episode_order;
+        }
+        let summary = run_env(cfg).await.unwrap();
+        assert_eq!(summary.feedback_failures, 0);
+        // The idempotency key starts with the episode id, `test-run-<n>:`.
+        let keys = hook.keys.lock().unwrap().clone();
+        keys.iter()
+            .map(|k| {
+                let episode = k.split(':').next().unwrap();
+                episode.rsplit('-').next().unwrap().parse::<u64>().unwrap()
+            })
+            .collect::<Vec<_>>()
+    };
+    let in_order = sent_order(true).await;
+    assert_eq!(in_order, (0..10).collect::<Vec<_>>());
+    // As the answers finish: the server's order, here (close to) the reverse.
+    let as_answered = sent_order(false).await;
+    assert_eq!(as_answered.len(), 10);
+    assert_ne!(as_answered, in_order, "{as_answered:?}");
 }
 
 #[tokio::test]

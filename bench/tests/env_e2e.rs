@@ -121,6 +121,7 @@ async fn simulated_feedback_through_the_proxy_lands_joined_in_episodes() {
         endpoint: format!("http://{proxy_addr}"),
         secret: Some(SECRET.into()),
         delay_ms: 200,
+        in_episode_order: false,
     });
     cfg.user = UserConfig {
         noise_rate: 0.0,

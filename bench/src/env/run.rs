@@ -29,6 +29,12 @@ pub struct FeedbackConfig {
     pub secret: Option<String>,
     /// Delay between the answer and its feedback, in milliseconds.
     pub delay_ms: u64,
+    /// Send the feedback only once every answer of the run is in, one episode after another in
+    /// episode order (`delay_ms` is then unused). With several episodes in flight, feedback
+    /// otherwise arrives in the order the answers finish, which follows the server's timing; in
+    /// order, the joined episodes (one partition) and so a learner's training order are the same
+    /// on every run of a seed.
+    pub in_episode_order: bool,
 }
 
 /// Settings of `env run`.
@@ -223,41 +229,30 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
         tasks.spawn(async move {
             let mut outcome = run_episode(&cfg, &client, world, episode, index).await;
             drop(permit);
-            if let (Some(sender), Some(fb), Some(reaction)) =
-                (&sender, &cfg.feedback, &outcome.reaction)
-            {
-                tokio::time::sleep(Duration::from_millis(fb.delay_ms)).await;
-                let target = match outcome.interaction_ids.last() {
-                    Some(id) => Target::Interaction(id.clone()),
-                    None => Target::Episode(outcome.episode_id.clone()),
-                };
-                let rater = world.ticket(index).customer.customer_id;
-                let events = feedback_events(&target, reaction, &rater);
-                let key = format!(
-                    "{}:{}",
-                    outcome.episode_id,
-                    outcome
-                        .interaction_ids
-                        .last()
-                        .map(String::as_str)
-                        .unwrap_or("-")
-                );
-                match sender.send(&events, &key).await {
-                    Ok(ids) => outcome.feedback_ids = ids,
-                    Err(e) => outcome.feedback_error = Some(e.to_string()),
+            if let (Some(sender), Some(fb)) = (&sender, &cfg.feedback) {
+                if !fb.in_episode_order {
+                    tokio::time::sleep(Duration::from_millis(fb.delay_ms)).await;
+                    send_feedback(sender, &world, index, &mut outcome).await;
                 }
             }
-            outcome
+            (outcome, index)
         });
     }
-    let mut outcomes = Vec::new();
+    let mut done = Vec::new();
     while let Some(joined) = tasks.join_next().await {
         match joined {
-            Ok(o) => outcomes.push(o),
+            Ok(o) => done.push(o),
             Err(e) => return Err(EnvError::Http(format!("episode task failed: {e}"))),
         }
     }
-    outcomes.sort_by_key(|o| o.episode);
+    done.sort_by_key(|(o, _)| o.episode);
+    if let (Some(sender), Some(true)) = (&sender, cfg.feedback.as_ref().map(|f| f.in_episode_order))
+    {
+        for (outcome, index) in &mut done {
+            send_feedback(sender, &world, *index, outcome).await;
+        }
+    }
+    let outcomes: Vec<EpisodeOutcome> = done.into_iter().map(|(o, _)| o).collect();
     let failed = outcomes.iter().filter(|o| o.error.is_some()).count() as u64;
     if failed > 0 && failed == outcomes.len() as u64 {
         let first = outcomes
@@ -287,6 +282,38 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
         duration_ms: started.elapsed().as_millis() as u64,
         outcomes,
     })
+}
+
+/// Sends the simulated user's reaction (if any) to the episode's last answer, or to the
+/// episode when no answer was logged; records the feedback ids or the error in `outcome`.
+async fn send_feedback(
+    sender: &FeedbackSender,
+    world: &World,
+    index: u64,
+    outcome: &mut EpisodeOutcome,
+) {
+    let Some(reaction) = &outcome.reaction else {
+        return;
+    };
+    let target = match outcome.interaction_ids.last() {
+        Some(id) => Target::Interaction(id.clone()),
+        None => Target::Episode(outcome.episode_id.clone()),
+    };
+    let rater = world.ticket(index).customer.customer_id;
+    let events = feedback_events(&target, reaction, &rater);
+    let key = format!(
+        "{}:{}",
+        outcome.episode_id,
+        outcome
+            .interaction_ids
+            .last()
+            .map(String::as_str)
+            .unwrap_or("-")
+    );
+    match sender.send(&events, &key).await {
+        Ok(ids) => outcome.feedback_ids = ids,
+        Err(e) => outcome.feedback_error = Some(e.to_string()),
+    }
 }
 
 async fn run_episode(
