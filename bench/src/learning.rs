@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use hindsight_eval::{
-    evaluate, extract_json_answer, score_answer, EvalSet, HindsightPlacement, RunConfig, RunReport,
+    compare_runs, evaluate, extract_json_answer, score_answer, Comparison, EvalSet,
+    HindsightPlacement, RunConfig, RunReport,
 };
 use hindsight_feedback::{JoinerConfig, LogConfig, Secret};
 use hindsight_learner::objectives::Divergence;
@@ -131,6 +132,11 @@ pub struct LearningConfig {
     pub temperature: f64,
     /// Episodes in flight.
     pub concurrency: usize,
+    /// Feedback sent after each chunk's answers, in episode order, so the learner meets the
+    /// examples in the same order on every run of a seed (false: as answers finish, which
+    /// follows the server's timing; every run before 2026-12-02 ran so).
+    #[serde(default)]
+    pub feedback_in_episode_order: bool,
     /// Learning rate.
     pub lr: f64,
     /// LoRA rank.
@@ -280,6 +286,7 @@ impl LearningConfig {
             seed: 0,
             temperature: 0.7,
             concurrency: 4,
+            feedback_in_episode_order: true,
             lr: DEFAULT_LR,
             rank: 8,
             batch_examples: 1,
@@ -542,6 +549,14 @@ pub struct LearningReport {
     pub replay_steps: u64,
     /// The learner's totals.
     pub learner: Option<serde_json::Value>,
+    /// The last point against the base model on the same held-out tickets: the paired exact
+    /// match difference with its 95% interval (what `hindsight eval --compare` reports), which
+    /// says whether a gain is beyond the noise of which tickets happened to be drawn.
+    #[serde(default)]
+    pub held_out_vs_base: Option<Comparison>,
+    /// The same on the scored training tickets (when `train_eval_items` > 0): fit.
+    #[serde(default)]
+    pub trained_vs_base: Option<Comparison>,
 }
 
 impl LearningReport {
@@ -678,16 +693,19 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         let set = train_set.as_ref();
         async move {
             match set {
-                Some(set) => {
-                    let m = evaluate(set, &rc).await?.metrics;
-                    anyhow::Ok((Some(m.exact_match), m.field_accuracy))
-                }
-                None => Ok((None, None)),
+                Some(set) => anyhow::Ok(Some(evaluate(set, &rc).await?)),
+                None => Ok(None),
             }
         }
     };
+    // Exact match and field accuracy of a trained-ticket run, when there is one.
+    let trained_metrics = |r: &Option<RunReport>| match r {
+        Some(r) => (Some(r.metrics.exact_match), r.metrics.field_accuracy),
+        None => (None, None),
+    };
     let base_report = evaluate(&set, &eval_at(base_name.clone())).await?;
-    let (train_exact_match, train_field_accuracy) = eval_trained(base_name.clone()).await?;
+    let base_trained = eval_trained(base_name.clone()).await?;
+    let (train_exact_match, train_field_accuracy) = trained_metrics(&base_trained);
     let base_margins = probe_at(None).await?;
     let mut points = vec![CurvePoint {
         events: 0,
@@ -731,6 +749,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             train_tokens_per_s: 0.0,
             replay_steps: 0,
             learner: None,
+            held_out_vs_base: None,
+            trained_vs_base: None,
         });
     }
 
@@ -848,6 +868,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     let (mut train_ms, mut train_tokens) = (0u64, 0u64);
     let mut replay_steps = 0u64;
     let mut live: Option<u64> = None;
+    // The last point's eval runs, compared with the base model's at the end.
+    let mut last: Option<(RunReport, Option<RunReport>)> = None;
     let mut sent = 0u64;
     while sent < cfg.events {
         let n = cfg.eval_every.min(cfg.events - sent);
@@ -871,6 +893,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             endpoint: format!("http://{proxy_addr}"),
             secret: Some(SECRET.into()),
             delay_ms: 100,
+            in_episode_order: cfg.feedback_in_episode_order,
         });
         env.user = UserConfig {
             noise_rate: cfg.noise_rate,
@@ -948,7 +971,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         };
         live = Some(version);
         let report = evaluate(&set, &eval_at(adapter_name.clone())).await?;
-        let (train_exact_match, train_field_accuracy) = eval_trained(adapter_name.clone()).await?;
+        let trained = eval_trained(adapter_name.clone()).await?;
+        let (train_exact_match, train_field_accuracy) = trained_metrics(&trained);
         let margins = probe_at(Some(
             cfg.work_dir
                 .join("adapters")
@@ -981,6 +1005,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             version: Some(version),
             wall_s: started.elapsed().as_secs_f64(),
         });
+        last = Some((report, trained));
     }
 
     let _ = stop_learner.send(());
@@ -995,6 +1020,18 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     let _ = proxy.await;
     let _ = stop_serve.send(());
     let train_s = train_ms as f64 / 1000.0;
+    // Paired over the same tickets; the bootstrap is seeded, so a report is reproducible.
+    const RESAMPLES: usize = 10_000;
+    let (held_out_vs_base, trained_vs_base) = match &last {
+        Some((held_out, trained)) => (
+            Some(compare_runs(&base_report, held_out, RESAMPLES, cfg.seed)?),
+            match (&base_trained, trained) {
+                (Some(a), Some(b)) => Some(compare_runs(a, b, RESAMPLES, cfg.seed)?),
+                _ => None,
+            },
+        ),
+        None => (None, None),
+    };
     Ok(LearningReport {
         config: cfg,
         points,
@@ -1010,6 +1047,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         },
         replay_steps,
         learner: summary.and_then(|s| serde_json::to_value(s).ok()),
+        held_out_vs_base,
+        trained_vs_base,
     })
 }
 
