@@ -242,11 +242,16 @@ async fn run() -> anyhow::Result<()> {
         ] {
             if let Some(c) = c {
                 eprintln!(
-                    "[learning_curve] {}: last point vs base on the {} {} tickets (paired): {}",
+                    "[learning_curve] {}: last point vs base on the {} {} tickets (paired): {} — {}",
                     objective.as_str(),
                     c.items,
                     what,
                     c.exact_match,
+                    if c.exact_match.clearly_positive() {
+                        "a gain beyond noise"
+                    } else {
+                        "no gain beyond noise"
+                    },
                 );
             }
         }

@@ -214,6 +214,8 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
     let mut interval = tokio::time::interval(Duration::from_secs_f64(1.0 / cfg.rate_per_s));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tasks = JoinSet::new();
+    // Feedback after all answers, in episode order, rather than from each episode's task.
+    let in_order = cfg.feedback.as_ref().is_some_and(|f| f.in_episode_order);
     let mut indices = world
         .ticket_indices(Split::Train)
         .skip(cfg.first_episode as usize);
@@ -229,11 +231,9 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
         tasks.spawn(async move {
             let mut outcome = run_episode(&cfg, &client, world, episode, index).await;
             drop(permit);
-            if let (Some(sender), Some(fb)) = (&sender, &cfg.feedback) {
-                if !fb.in_episode_order {
-                    tokio::time::sleep(Duration::from_millis(fb.delay_ms)).await;
-                    send_feedback(sender, &world, index, &mut outcome).await;
-                }
+            if let (Some(sender), Some(fb), false) = (&sender, &cfg.feedback, in_order) {
+                tokio::time::sleep(Duration::from_millis(fb.delay_ms)).await;
+                send_feedback(sender, &world, index, &mut outcome).await;
             }
             (outcome, index)
         });
@@ -246,8 +246,7 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
         }
     }
     done.sort_by_key(|(o, _)| o.episode);
-    if let (Some(sender), Some(true)) = (&sender, cfg.feedback.as_ref().map(|f| f.in_episode_order))
-    {
+    if let (Some(sender), true) = (&sender, in_order) {
         for (outcome, index) in &mut done {
             send_feedback(sender, &world, *index, outcome).await;
         }
