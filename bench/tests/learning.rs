@@ -2,15 +2,21 @@
 //! the real model, broker and Redis — serve, proxy, joiner, learner, registry, hot-swap — fed
 //! by the simulated environment (SFT on the simulated user's corrections).
 //!
-//! What it asserts: the published adapter makes the correct decisions of the held-out eval
-//! tickets (tickets it never trained on) clearly more likely than the base model does — the
-//! mean log-probability of each expected answer given its prompt rises by more than 1 nat per
-//! answer. Eval exact match is measured and printed (paired with the base model's, with the 95%
-//! intervals of `hindsight eval --compare`) but not asserted: at this budget (16 feedback
-//! events) it moved by at most one item of 10 in the runs here (0 → 1, and 0 → 0), and exact
-//! match on the *trained* tickets did not rise beyond noise reliably either (0 of 16, 2 of 8,
-//! 3 of 8 and 1 of 8 gained in four configurations, 2026-12-02); the README's learning-curve
-//! section has the figures.
+//! What it asserts, after 64 feedback events (every wrong answer corrected, two replay steps
+//! per event, lr 1e-3, KL budget 2):
+//! - eval exact match on 20 held-out tickets (tickets it never trained on) is higher than the
+//!   base model's beyond noise: the paired comparison of `hindsight eval --compare` has both
+//!   95% intervals above zero (`PairedDiff::clearly_positive`);
+//! - the published adapter, loaded from the registry's files, makes the correct decisions of
+//!   those tickets more likely: mean log p(expected answer | prompt) up by more than 1 nat.
+//!
+//! Measured on the 2-vCPU dev machine (2026-12-03): 0% -> 30% exact (6 tickets gained, none
+//! lost; CI +10 … +50 points), log p -36.3 -> -2.6 nats, 1253 s — the same figures as the
+//! release bench. Most of that gain is the training prior: always giving the most common
+//! decision scores 20% on these tickets, and only 3 of the 16 others are answered right (the
+//! prior margin printed below falls). Smaller budgets did not clear the noise: 16 events moved
+//! exact match by at most one ticket of 10, 32 events gained 2 of 20 (lr 1e-3) or 1 (lr 3e-3),
+//! 64 events with the prompt detached 3 of 20; the README's learning-curve section has the runs.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use hindsight_bench::env::{answer_layout, eval_items, PromptOptions, Split, Variant, World};
@@ -49,8 +55,12 @@ fn mean_answer_logprob(
     total / items.len() as f64
 }
 
+/// Feedback events (every wrong answer corrected) and held-out eval tickets.
+const EVENTS: u64 = 64;
+const EVAL_ITEMS: usize = 20;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers() {
+async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_noise() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let work = tempfile::tempdir().unwrap();
     let mut cfg = LearningConfig::new(Objective::Sft, work.path());
@@ -60,11 +70,14 @@ async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers(
         "{} is missing: run deploy/fetch-model.sh",
         cfg.model_path.display()
     );
-    cfg.events = 16;
-    cfg.eval_every = 16;
-    cfg.eval_items = 10;
+    cfg.events = EVENTS;
+    cfg.eval_every = EVENTS;
+    cfg.eval_items = EVAL_ITEMS;
     cfg.correction_rate = 1.0;
     cfg.noise_rate = 0.0;
+    cfg.lr = 1e-3;
+    cfg.replay_steps_per_batch = 2;
+    cfg.kl_budget = Some(2.0);
     let seed = cfg.seed;
     let report = run_learning(cfg).await.unwrap();
     let before = report.points.first().unwrap();
@@ -98,7 +111,7 @@ async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers(
     };
     let template = bundle.chat_template.as_ref().unwrap();
     let end = bundle.end_of_turn().unwrap();
-    let eval = eval_items(&World::new(seed), Split::Eval, 10, options);
+    let eval = eval_items(&World::new(seed), Split::Eval, EVAL_ITEMS, options);
     let items: Vec<(Vec<u32>, Vec<u32>)> = eval
         .iter()
         .map(|item| {
@@ -138,9 +151,15 @@ async fn learning_from_feedback_raises_the_likelihood_of_correct_unseen_answers(
             held_out.items, held_out.exact_match
         );
     }
+    let held_out = report.held_out_vs_base.as_ref().unwrap();
+    assert!(
+        held_out.exact_match.clearly_positive(),
+        "eval exact match did not rise beyond noise: {}",
+        held_out.exact_match
+    );
     assert!(
         learned > base + 1.0,
-        "learning from 16 corrections did not make unseen correct answers more likely: \
+        "learning from {EVENTS} corrections did not make unseen correct answers more likely: \
          mean log p {base:.3} -> {learned:.3}"
     );
 }
