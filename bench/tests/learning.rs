@@ -145,13 +145,14 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
         report.wall_s,
         report.train_tokens_per_s
     );
-    if let Some(held_out) = &report.held_out_vs_base {
-        println!(
-            "the {} held-out tickets, adapter v{version} - base (exact match): {}",
-            held_out.items, held_out.exact_match
-        );
-    }
-    let held_out = report.held_out_vs_base.as_ref().unwrap();
+    let held_out = report
+        .held_out_vs_base
+        .as_ref()
+        .expect("the bench compares the last point with the base model");
+    println!(
+        "the {} held-out tickets, adapter v{version} - base (exact match): {}",
+        held_out.items, held_out.exact_match
+    );
     assert!(
         held_out.exact_match.clearly_positive(),
         "eval exact match did not rise beyond noise: {}",
