@@ -27,6 +27,7 @@
 //! #   EDIT_MIN_LOGPROB=<nats>  (distil only on edit targets whose values the teacher gives at
 //! #     least this joint log-probability; default: every target)
 //! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
+//! #   RECORDS=json|compact  (compact: the order and customer records in one line each, ~30% shorter prompts)
 //! #   ORDERED=1  (feedback sent in episode order after each chunk's answers, so the learner's
 //! #     training order is the same on every run of a seed; 0: as the answers finish)
 //! ```
@@ -126,6 +127,10 @@ async fn run() -> anyhow::Result<()> {
             .ok()
             .and_then(|v| v.parse().ok());
         cfg.prior_probe = env::<u8>("PROBE", 1) != 0;
+        if let Ok(r) = std::env::var("RECORDS") {
+            cfg.records = serde_json::from_value(serde_json::Value::String(r.clone()))
+                .with_context(|| format!("RECORDS={r}: json or compact"))?;
+        }
         if let Ok(d) = std::env::var("DIVERGENCE") {
             cfg.divergence = Some(
                 serde_json::from_value(serde_json::Value::String(d.clone()))

@@ -179,11 +179,7 @@ fn main() -> anyhow::Result<()> {
     let mut logged_answers: Vec<(String, Value)> = Vec::new();
 
     let world = World::new(0);
-    let options = PromptOptions {
-        variant: Variant::Single,
-        with_rules: false,
-        response_format: true,
-    };
+    let options = PromptOptions::default();
     let format = OJson::from(&response_format());
     let mut rng = Rng::new(11);
     let enums: [(&str, &[&str]); 3] = [

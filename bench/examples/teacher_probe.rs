@@ -58,11 +58,7 @@ fn main() -> anyhow::Result<()> {
     )?;
     let template = bundle.chat_template.as_ref().context("chat template")?;
     let world = World::new(0);
-    let options = PromptOptions {
-        variant: Variant::Single,
-        with_rules: false,
-        response_format: true,
-    };
+    let options = PromptOptions::default();
     let placements = [
         HindsightPlacement::SystemNoAnswer,
         HindsightPlacement::UserNote,

@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use hindsight_bench::env::{
     self, eval_items, render_table, run_baselines, run_env, BaselineConfig, CritiqueStyle,
-    EnvRunConfig, FeedbackConfig, PromptOptions, Split, UserConfig, Variant, World,
+    EnvRunConfig, FeedbackConfig, PromptOptions, Records, Split, UserConfig, Variant, World,
 };
 use hindsight_eval::{to_jsonl, HindsightPlacement};
 
@@ -47,6 +47,9 @@ enum EnvCommand {
         /// World seed.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// How the user message writes the records.
+        #[arg(long, value_enum, default_value = "json")]
+        records: Records,
     },
 }
 
@@ -55,6 +58,10 @@ struct PromptArgs {
     /// single: ticket + records in one message; multi: the agent calls lookup tools.
     #[arg(long, value_enum, default_value = "single")]
     variant: Variant,
+    /// How single-turn tickets write the order and customer records: json (as the tools return
+    /// them) or compact (one line each, no recent orders: ~30% shorter prompts).
+    #[arg(long, value_enum, default_value = "json")]
+    records: Records,
     /// Ask for `<final_output>` tags instead of sending a response_format JSON schema.
     #[arg(long)]
     no_response_format: bool,
@@ -207,6 +214,7 @@ struct BaselineArgs {
 fn prompt_options(p: &PromptArgs, with_rules: bool) -> PromptOptions {
     PromptOptions {
         variant: p.variant,
+        records: p.records,
         with_rules,
         response_format: !p.no_response_format,
     }
@@ -333,6 +341,7 @@ async fn run() -> anyhow::Result<()> {
                 max_tokens: Some(a.max_tokens),
                 concurrency: a.concurrency,
                 variant: a.prompt.variant,
+                records: a.prompt.records,
                 response_format: !a.prompt.no_response_format,
                 placements: a.hindsight.clone(),
                 critique_style: a.critique_style,
@@ -353,7 +362,11 @@ async fn run() -> anyhow::Result<()> {
             }
         }
         EnvCommand::Rules => print!("{}", env::rules_text()),
-        EnvCommand::Show { index, seed } => {
+        EnvCommand::Show {
+            index,
+            seed,
+            records,
+        } => {
             let world = World::new(seed);
             let ticket = world.ticket(index);
             let resolution = env::resolve(&ticket);
@@ -364,7 +377,7 @@ async fn run() -> anyhow::Result<()> {
             );
             println!(
                 "--- user message ---\n{}",
-                env::user_message(&ticket, Variant::Single)
+                env::user_message(&ticket, Variant::Single, records)
             );
             println!(
                 "--- resolution ---\n{}",

@@ -14,7 +14,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use hindsight_bench::env::{
     eval_items, resolve, run_baselines, run_env, sign, BaselineConfig, CritiqueStyle, EnvRunConfig,
-    FeedbackConfig, PromptOptions, Split, UserConfig, Variant, World, CONFIRMATION,
+    FeedbackConfig, PromptOptions, Records, Split, UserConfig, Variant, World, CONFIRMATION,
 };
 use hindsight_eval::{to_jsonl, HindsightPlacement};
 use serde_json::{json, Value};
@@ -191,8 +191,7 @@ fn run_config(base: &str, variant: Variant, failure_rate: f64) -> EnvRunConfig {
     cfg.run_id = "test-run".into();
     cfg.options = PromptOptions {
         variant,
-        with_rules: false,
-        response_format: true,
+        ..PromptOptions::default()
     };
     cfg.tool_failure_rate = failure_rate;
     cfg.max_turns = 12;
@@ -396,6 +395,7 @@ async fn baselines_run_all_variants() {
         max_tokens: Some(100),
         concurrency: 4,
         variant: Variant::Single,
+        records: Records::Json,
         response_format: true,
         placements: HindsightPlacement::ALL.to_vec(),
         critique_style: CritiqueStyle::Rule,

@@ -112,11 +112,7 @@ async fn simulated_feedback_through_the_proxy_lands_joined_in_episodes() {
     cfg.rate_per_s = 50.0;
     cfg.seed = 17;
     cfg.run_id = unique("run");
-    cfg.options = PromptOptions {
-        variant: Variant::Single,
-        with_rules: false,
-        response_format: true,
-    };
+    cfg.options = PromptOptions::default();
     cfg.feedback = Some(FeedbackConfig {
         endpoint: format!("http://{proxy_addr}"),
         secret: Some(SECRET.into()),

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::EnvError;
 use super::evalset::eval_items;
-use super::prompt::{PromptOptions, Variant};
+use super::prompt::{PromptOptions, Records, Variant};
 use super::rng::Rng;
 use super::sop::resolve;
 use super::user::{critique, CritiqueStyle};
@@ -46,6 +46,8 @@ pub struct BaselineConfig {
     pub concurrency: usize,
     /// Single- or multi-turn tickets.
     pub variant: Variant,
+    /// How single-turn tickets write the order and customer records.
+    pub records: Records,
     /// Use response_format (bare JSON) or `<final_output>` tags.
     pub response_format: bool,
     /// How explicit the critiques are.
@@ -207,6 +209,7 @@ pub async fn run_baselines(cfg: &BaselineConfig) -> Result<BaselineReport, EnvEr
     let world = World::new(cfg.seed);
     let options = PromptOptions {
         variant: cfg.variant,
+        records: cfg.records,
         with_rules: false,
         response_format: cfg.response_format,
     };

@@ -23,7 +23,7 @@ pub use baselines::{
 pub use error::EnvError;
 pub use evalset::{eval_item, eval_items, rules_of};
 pub use prompt::{
-    messages, response_format, system_prompt, tools, user_message, PromptOptions, Variant,
+    messages, response_format, system_prompt, tools, user_message, PromptOptions, Records, Variant,
 };
 pub use rng::Rng;
 pub use run::{run_env, EnvRunConfig, EnvRunSummary, EpisodeOutcome, FeedbackConfig};
