@@ -3,7 +3,8 @@
 //! by the simulated environment (SFT on the simulated user's corrections).
 //!
 //! What it asserts, after 64 feedback events (every wrong answer corrected, two replay steps
-//! per event, lr 1e-3, KL budget 2, tickets with compact records: ~270-token prompts):
+//! per event, lr 1e-3, KL budget 2, tickets with compact records: ~270-token prompts; a
+//! candidate published after 32 events serves the rest of the traffic):
 //! - eval exact match on 20 held-out tickets (tickets it never trained on) is higher than the
 //!   base model's beyond noise: the paired comparison of `hindsight eval --compare` has both
 //!   95% intervals above zero (`PairedDiff::clearly_positive`);
@@ -18,7 +19,8 @@
 //! constant answer, prior margin +1.14 -> +3.00 nats. With the records as JSON (~400-token
 //! prompts) the same run gained 6 tickets in 1102 s, only 3 of them beyond the constant answer;
 //! smaller budgets did not clear the noise (32 events: 1 ticket gained with compact records,
-//! 1-2 with JSON); the README's learning-curve section has the runs.
+//! 1-2 with JSON); the README's learning-curve section has the runs. Under `cargo test`
+//! (949 s): 0% -> 35% (7 gained, 0 lost), 6 of the 16 beyond the constant answer.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use hindsight_bench::env::{answer_layout, eval_items, Records, Split, World};
@@ -73,7 +75,11 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
         cfg.model_path.display()
     );
     cfg.events = EVENTS;
-    cfg.eval_every = EVENTS;
+    // A candidate after 32 events goes live and answers the second half's traffic, as in the
+    // bench's run of this configuration: with the base model answering all 64 (eval only at
+    // the end) the adapter gained 4 tickets (3 beyond the constant answer) instead of 7 — a
+    // pass, but with no margin for another machine's float differences.
+    cfg.eval_every = EVENTS / 2;
     cfg.eval_items = EVAL_ITEMS;
     cfg.correction_rate = 1.0;
     cfg.noise_rate = 0.0;
