@@ -31,8 +31,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use hindsight_bench::env::{
-    critique, messages, resolve, response_format, CritiqueStyle, PromptOptions, Rng, Split,
-    Variant, World, DEPARTMENTS, PRIORITIES, REFUNDS,
+    critique, messages, resolve, response_format, CritiqueStyle, PromptOptions, Rng, Split, World,
+    DEPARTMENTS, PRIORITIES, REFUNDS,
 };
 use hindsight_feedback::{
     EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue,

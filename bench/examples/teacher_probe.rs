@@ -14,7 +14,7 @@
 //! ```
 use anyhow::Context;
 use hindsight_bench::env::{
-    critique, messages, resolve, CritiqueStyle, PromptOptions, Rng, Split, Variant, World,
+    critique, messages, resolve, CritiqueStyle, PromptOptions, Rng, Split, World,
 };
 use hindsight_eval::{hindsight_messages, HindsightPlacement};
 use hindsight_learner::candle_core::{DType, Device, Tensor, D};

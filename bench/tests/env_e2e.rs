@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use hindsight_bench::env::{
-    run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, UserConfig, Variant,
+    run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, UserConfig,
 };
 use hindsight_feedback::{JoinerConfig, LogConfig, Secret, Topic, TopicReader};
 use hindsight_proxy::{Extensions, RawConfig};
