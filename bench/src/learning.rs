@@ -406,23 +406,19 @@ impl ConstantBaseline {
     /// the current task; e.g. to fill it into result files written before it was measured.
     pub fn for_config(cfg: &LearningConfig) -> anyhow::Result<Self> {
         let world = World::new(cfg.seed);
+        let options = single_turn(cfg.records);
         let eval = EvalSet::from_items(
             "support-eval",
-            eval_items(
-                &world,
-                Split::Eval,
-                cfg.eval_items,
-                single_turn(cfg.records),
-            ),
+            eval_items(&world, Split::Eval, cfg.eval_items, options),
         )?;
         let trained = match cfg.train_eval_items {
             0 => None,
             n => Some(EvalSet::from_items(
                 "support-trained",
-                eval_items(&world, Split::Train, n, single_turn(cfg.records)),
+                eval_items(&world, Split::Train, n, options),
             )?),
         };
-        Self::compute(&world, single_turn(cfg.records), &eval, trained.as_ref())
+        Self::compute(&world, options, &eval, trained.as_ref())
     }
 
     /// The training split's most common decision, scored on `eval` (and `trained`) with the
