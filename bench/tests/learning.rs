@@ -3,28 +3,24 @@
 //! by the simulated environment (SFT on the simulated user's corrections).
 //!
 //! What it asserts, after 64 feedback events (every wrong answer corrected, two replay steps
-//! per event, lr 1e-3, KL budget 2, tickets with compact records: ~270-token prompts; a
-//! candidate published after 32 events serves the rest of the traffic):
+//! per event, lr 1e-3, KL budget 2):
 //! - eval exact match on 20 held-out tickets (tickets it never trained on) is higher than the
 //!   base model's beyond noise: the paired comparison of `hindsight eval --compare` has both
 //!   95% intervals above zero (`PairedDiff::clearly_positive`);
-//! - and not only through the training prior: exact match on the held-out tickets whose
-//!   decision is *not* the training split's most common one (where always giving that decision
-//!   scores 0) rises too;
 //! - the published adapter, loaded from the registry's files, makes the correct decisions of
 //!   those tickets more likely: mean log p(expected answer | prompt) up by more than 1 nat.
 //!
-//! Measured with the release bench on the 2-vCPU dev machine (2026-12-03): 0% -> 35% exact
-//! (7 tickets gained, none lost; CI +15 … +55 points), 0% -> 44% on the 16 tickets beyond the
-//! constant answer, prior margin +1.14 -> +3.00 nats. With the records as JSON (~400-token
-//! prompts) the same run gained 6 tickets in 1102 s, only 3 of them beyond the constant answer;
-//! smaller budgets did not clear the noise (32 events: 1 ticket gained with compact records,
-//! 1-2 with JSON); the README's learning-curve section has the runs. Under `cargo test`
-//! (949 s): 0% -> 35% (7 gained, 0 lost), 6 of the 16 beyond the constant answer.
+//! Measured on the 2-vCPU dev machine (2026-12-03): 0% -> 30% exact (6 tickets gained, none
+//! lost; CI +10 … +50 points), log p -36.3 -> -2.6 nats, 1253 s — the same figures as the
+//! release bench. Most of that gain is the training prior: always giving the most common
+//! decision scores 20% on these tickets, and only 3 of the 16 others are answered right (the
+//! prior margin printed below falls). Smaller budgets did not clear the noise: 16 events moved
+//! exact match by at most one ticket of 10, 32 events gained 2 of 20 (lr 1e-3) or 1 (lr 3e-3),
+//! 64 events with the prompt detached 3 of 20; the README's learning-curve section has the runs.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use hindsight_bench::env::{answer_layout, eval_items, Records, Split, World};
-use hindsight_bench::learning::{run_learning, single_turn, LearningConfig, Objective};
+use hindsight_bench::env::{answer_layout, eval_items, PromptOptions, Split, World};
+use hindsight_bench::learning::{run_learning, LearningConfig, Objective};
 use hindsight_learner::candle_core::{DType, Device, Tensor};
 use hindsight_learner::objectives::token_logprobs;
 use hindsight_learner::{encode, Adapter, AdapterSelection, BatchLayout, ModelBundle};
@@ -75,18 +71,13 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
         cfg.model_path.display()
     );
     cfg.events = EVENTS;
-    // A candidate after 32 events goes live and answers the second half's traffic, as in the
-    // bench's run of this configuration: with the base model answering all 64 (eval only at
-    // the end) the adapter gained 4 tickets (3 beyond the constant answer) instead of 7 — a
-    // pass, but with no margin for another machine's float differences.
-    cfg.eval_every = EVENTS / 2;
+    cfg.eval_every = EVENTS;
     cfg.eval_items = EVAL_ITEMS;
     cfg.correction_rate = 1.0;
     cfg.noise_rate = 0.0;
     cfg.lr = 1e-3;
     cfg.replay_steps_per_batch = 2;
     cfg.kl_budget = Some(2.0);
-    cfg.records = Records::Compact;
     let seed = cfg.seed;
     let report = run_learning(cfg).await.unwrap();
     let before = report.points.first().unwrap();
@@ -113,7 +104,7 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
 
     // Held-out tickets with their correct decisions, laid out as the served answers (and the
     // corrections) are.
-    let options = single_turn(Records::Compact);
+    let options = PromptOptions::default();
     let template = bundle.chat_template.as_ref().unwrap();
     let end = bundle.end_of_turn().unwrap();
     let eval = eval_items(&World::new(seed), Split::Eval, EVAL_ITEMS, options);
@@ -162,19 +153,6 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
         held_out.exact_match.clearly_positive(),
         "eval exact match did not rise beyond noise: {}",
         held_out.exact_match
-    );
-    let beyond = |p: &hindsight_bench::learning::CurvePoint| p.exact_beyond_constant.unwrap();
-    println!(
-        "exact match on the held-out tickets whose decision is not the most common one: \
-         {:.0}% -> {:.0}%",
-        beyond(before) * 100.0,
-        beyond(after) * 100.0
-    );
-    assert!(
-        beyond(after) > beyond(before),
-        "exact match rose only on tickets the most common decision already answers: {:.2} -> {:.2}",
-        beyond(before),
-        beyond(after)
     );
     assert!(
         learned > base + 1.0,
