@@ -15,6 +15,10 @@ so from the log alone:
 With `edit_min_target_logprob`, targets below the floor are reported apart (trained on or not).
 With a frozen teacher the trainer caches its edits (`teacher_cache_examples`): a replayed
 example is logged once, when its edit is made, so the counts here are per example, not per step.
+With `distill_target = "teacher"` the log has the teacher's own answers instead ("The
+teacher's own answer."); those are scored whole, against the correction when the feedback
+carries one ("A correct answer would be: {...}"), else the critique's stated values over the
+logged answer.
 Usage: edit_diagnostic.py LOG [MARGIN=0.5]
 """
 import re
@@ -43,6 +47,7 @@ def main():
     margin = float(sys.argv[2]) if len(sys.argv) > 2 else 0.5
     shifts_rx = re.compile(r'\("(\w+)", (-?[\d.e-]+)\)')
     examples = []  # one per training example with feedback, in log order
+    own = []  # (own answer, truth) per teacher's own answer (distill_target = "teacher")
     for raw in open(path, errors="replace"):
         line = ANSI.sub("", raw)
         rec = re.search(r"record=(\S+)", line)
@@ -53,11 +58,27 @@ def main():
             examples.append({"rec": rec.group(1), "logged": logged, "shifts": shifts,
                              "stated": stated_values(fb.group(1) if fb else ""),
                              "edited": None, "kept": True})
+        elif "The teacher's own answer." in line:
+            fields = lambda key: dict(re.findall(r'"(\w+)": ?"(\w+)"', re.search(key + r"=(\{.*?\})", line).group(1)))
+            fb = re.search(r'feedback="(.*)"', line)
+            fb = fb.group(1) if fb else ""
+            corr = re.search(r"A correct answer would be: (\{.*?\})", fb)
+            truth = (dict(re.findall(r'"(\w+)": ?"(\w+)"', corr.group(1))) if corr
+                     else {**fields("logged"), **stated_values(fb)})
+            own.append((fields("own"), truth))
         elif "teacher's edit of the logged answer" in line and examples:
             examples[-1]["edited"] = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"edited=(\{.*?\})", line).group(1)))
         elif "below the confidence floor" in line and examples and rec and examples[-1]["rec"] == rec.group(1):
             # edit_min_target_logprob: this target was not trained on.
             examples[-1]["kept"] = False
+    if own:
+        whole = sum(o == t for o, t in own)
+        right = sum(o.get(k) == v for o, t in own for k, v in t.items())
+        n = sum(len(t) for _, t in own)
+        print(f"teacher's own answers: {len(own)}; fields right {right}/{n} ({100 * right / max(1, n):.0f}%), "
+              f"whole answers right {whole} ({100 * whole / len(own):.0f}%)")
+    if not examples:
+        return
     rows = [list(finish(e, margin)) for e in examples]
     report([r for ex in rows for r in ex], margin)
     dropped = sum(not e["kept"] for e in examples)

@@ -1225,7 +1225,19 @@ impl Trainer {
                 self.teacher_answer(&mut prompts, tctx, control, ex.answer_format.as_ref())?;
             counts.decoded += 1;
             match &own {
-                Some(a) => counts.changed += usize::from(a.ids != ex.answer_ids),
+                Some(a) => {
+                    counts.changed += usize::from(a.ids != ex.answer_ids);
+                    if tracing::enabled!(tracing::Level::DEBUG) {
+                        let dec = self.decoding()?;
+                        debug!(
+                            record = %ex.record_id,
+                            logged = %answer_text(dec, &ex.answer_ids).0,
+                            own = %answer_text(dec, &a.ids).0,
+                            feedback = ex.feedback_text.as_deref().unwrap_or(""),
+                            "The teacher's own answer."
+                        );
+                    }
+                }
                 None => counts.fallback += 1,
             }
             return Ok(TeacherWork {
