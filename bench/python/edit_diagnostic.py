@@ -61,7 +61,7 @@ def main():
         elif "The teacher's own answer." in line:
             fields = lambda key: dict(re.findall(r'"(\w+)": ?"(\w+)"', re.search(key + r"=(\{.*?\})", line).group(1)))
             fb = re.search(r'feedback="(.*)"', line)
-            fb = fb.group(1) if fb else ""
+            fb = fb.group(1).replace('\\"', '"') if fb else ""
             corr = re.search(r"A correct answer would be: (\{.*?\})", fb)
             truth = (dict(re.findall(r'"(\w+)": ?"(\w+)"', corr.group(1))) if corr
                      else {**fields("logged"), **stated_values(fb)})
