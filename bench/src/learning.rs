@@ -30,7 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::env::{
     eval_items, run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, Records,
-    Split, UserConfig, Variant, World,
+    Split, UserConfig, World,
 };
 use crate::prior_probe::{PriorMargins, PriorProbe};
 
@@ -367,13 +367,12 @@ pub struct CurvePoint {
     pub wall_s: f64,
 }
 
-/// The prompts of the learning runs: single-turn tickets, no rules, guided JSON.
+/// The prompts of the learning runs: single-turn tickets, no rules, guided JSON (the
+/// defaults) with `records`.
 pub fn single_turn(records: Records) -> PromptOptions {
     PromptOptions {
-        variant: Variant::Single,
         records,
-        with_rules: false,
-        response_format: true,
+        ..PromptOptions::default()
     }
 }
 

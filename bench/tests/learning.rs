@@ -19,8 +19,8 @@
 //! 64 events with the prompt detached 3 of 20; the README's learning-curve section has the runs.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use hindsight_bench::env::{answer_layout, eval_items, PromptOptions, Split, World};
-use hindsight_bench::learning::{run_learning, LearningConfig, Objective};
+use hindsight_bench::env::{answer_layout, eval_items, Split, World};
+use hindsight_bench::learning::{run_learning, single_turn, LearningConfig, Objective};
 use hindsight_learner::candle_core::{DType, Device, Tensor};
 use hindsight_learner::objectives::token_logprobs;
 use hindsight_learner::{encode, Adapter, AdapterSelection, BatchLayout, ModelBundle};
@@ -78,7 +78,7 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
     cfg.lr = 1e-3;
     cfg.replay_steps_per_batch = 2;
     cfg.kl_budget = Some(2.0);
-    let seed = cfg.seed;
+    let (seed, records) = (cfg.seed, cfg.records);
     let report = run_learning(cfg).await.unwrap();
     let before = report.points.first().unwrap();
     let after = report.points.last().unwrap();
@@ -104,7 +104,7 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
 
     // Held-out tickets with their correct decisions, laid out as the served answers (and the
     // corrections) are.
-    let options = PromptOptions::default();
+    let options = single_turn(records);
     let template = bundle.chat_template.as_ref().unwrap();
     let end = bundle.end_of_turn().unwrap();
     let eval = eval_items(&World::new(seed), Split::Eval, EVAL_ITEMS, options);
