@@ -7,6 +7,9 @@
 //! base model (no adapter) on the same tokens when the KL guard or KTO needs it; the teacher
 //! (EMA adapter) on the hindsight context + the same answer when there is text feedback and
 //! distillation or dense rewards are on; and the policy on context + correction for SFT.
+//! The student's passes over one example's answers (the logged one, the teacher's target, the
+//! correction) start from one run of its prompt (`Trainer::policy_prompt`); what depends only on
+//! the base model, or on a frozen teacher, is kept for replays of the example.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -167,6 +170,13 @@ pub struct TrainerConfig {
     /// cached (they move with it).
     #[serde(default = "default_teacher_cache_examples")]
     pub teacher_cache_examples: usize,
+    /// How many examples' base-model passes to keep for replay: the base model (no adapter)
+    /// over the logged answer (the KL guard's reference and KTO's) or, for an example only SFT
+    /// learns from, over the correction. The base never changes, so a replayed example reuses
+    /// its pass bit for bit instead of running the prompt again. Each entry holds `[n, vocab]`
+    /// f32 logits (~6 MB per 30 tokens with the default model). Oldest out first; 0 = off.
+    #[serde(default = "default_base_cache_examples")]
+    pub base_cache_examples: usize,
 }
 
 /// [`DistillTarget::Edit`]: the reference a logged value's log-probability under the teacher
@@ -223,6 +233,10 @@ fn default_edit_margin_nats() -> f64 {
 }
 
 fn default_teacher_cache_examples() -> usize {
+    64
+}
+
+fn default_base_cache_examples() -> usize {
     64
 }
 
@@ -294,6 +308,7 @@ impl Default for TrainerConfig {
             teacher_contrast: 0.0,
             edit_min_target_logprob: None,
             teacher_cache_examples: default_teacher_cache_examples(),
+            base_cache_examples: default_base_cache_examples(),
         }
     }
 }
@@ -565,7 +580,9 @@ pub struct Trainer {
     state: TrainerState,
     decoding: Option<TeacherDecoding>,
     /// The frozen teacher's work per example, for replay ([`TrainerConfig::teacher_cache_examples`]).
-    cache: TeacherCache,
+    cache: ReplayCache<TeacherWork>,
+    /// The base model's pass per example, for replay ([`TrainerConfig::base_cache_examples`]).
+    base_cache: ReplayCache<AnswerPass>,
 }
 
 /// The teacher's work on one example that depends on the teacher alone: with a frozen teacher
@@ -597,32 +614,37 @@ struct TeacherPrompts {
     tokens: usize,
 }
 
-/// Bounded first-in-first-out store of [`TeacherWork`] by record id. An entry is used only
-/// for the same answer tokens it was made for.
-#[derive(Default)]
-struct TeacherCache {
-    entries: std::collections::HashMap<uuid::Uuid, (Vec<u32>, TeacherWork)>,
+/// Bounded first-in-first-out store of work on one example that a replay of it can reuse
+/// ([`TeacherWork`] of a frozen teacher, the base model's passes), by record id. An entry is
+/// used only for the same tokens it was made for.
+struct ReplayCache<V> {
+    entries: std::collections::HashMap<uuid::Uuid, (Vec<u32>, V)>,
     order: std::collections::VecDeque<uuid::Uuid>,
 }
 
-impl TeacherCache {
-    fn get(&self, ex: &TrainExample) -> Option<&TeacherWork> {
+impl<V> Default for ReplayCache<V> {
+    fn default() -> Self {
+        Self {
+            entries: Default::default(),
+            order: Default::default(),
+        }
+    }
+}
+
+impl<V> ReplayCache<V> {
+    fn get(&self, id: uuid::Uuid, tokens: &[u32]) -> Option<&V> {
         self.entries
-            .get(&ex.record_id)
-            .filter(|(answer, _)| *answer == ex.answer_ids)
-            .map(|(_, work)| work)
+            .get(&id)
+            .filter(|(made_for, _)| made_for == tokens)
+            .map(|(_, v)| v)
     }
 
-    fn put(&mut self, ex: &TrainExample, work: TeacherWork, cap: usize) {
+    fn put(&mut self, id: uuid::Uuid, tokens: &[u32], v: V, cap: usize) {
         if cap == 0 {
             return;
         }
-        if self
-            .entries
-            .insert(ex.record_id, (ex.answer_ids.clone(), work))
-            .is_none()
-        {
-            self.order.push_back(ex.record_id);
+        if self.entries.insert(id, (tokens.to_vec(), v)).is_none() {
+            self.order.push_back(id);
         }
         while self.order.len() > cap {
             if let Some(old) = self.order.pop_front() {
@@ -683,7 +705,8 @@ impl Trainer {
             opt,
             state: TrainerState::default(),
             decoding: None,
-            cache: TeacherCache::default(),
+            cache: ReplayCache::default(),
+            base_cache: ReplayCache::default(),
         })
     }
 
@@ -749,7 +772,7 @@ impl Trainer {
             ));
         }
         if tracked && !self.cfg.prefix_grad && p > 1 {
-            let cache = self.prefill(&prefix[..p - 1], adapters)?;
+            let cache = self.prefill(&prefix[..p - 1], adapters, false)?;
             return self.hidden_from(cache, prefix, answer, adapters, true);
         }
         let ids: Vec<u32> = prefix.iter().chain(answer).copied().collect();
@@ -767,8 +790,9 @@ impl Trainer {
         Ok(if tracked { rows } else { rows.detach() })
     }
 
-    /// A KV cache of `ids` (no graph) under `adapters`; empty when `ids` is.
-    fn prefill(&self, ids: &[u32], adapters: &AdapterSelection) -> Result<KvCache> {
+    /// A KV cache of `ids` under `adapters` (`train`: its keys and values keep their graph, so
+    /// passes after it back-propagate into the prompt); empty when `ids` is.
+    fn prefill(&self, ids: &[u32], adapters: &AdapterSelection, train: bool) -> Result<KvCache> {
         let mut cache = KvCache::new();
         if !ids.is_empty() {
             let input = Tensor::from_slice(ids, (1, ids.len()), self.model.device())?;
@@ -777,7 +801,7 @@ impl Trainer {
                 &BatchLayout::dense(1, ids.len(), 0),
                 Some(&mut cache),
                 adapters,
-                false,
+                train,
             )?;
         }
         Ok(cache)
@@ -841,7 +865,7 @@ impl Trainer {
         if let Some((_, cache)) = prompts.caches.iter().find(|(c, _)| c == ctx) {
             return Ok(cache.clone());
         }
-        let cache = self.prefill(&ctx[..head], &AdapterSelection::All(&self.teacher))?;
+        let cache = self.prefill(&ctx[..head], &AdapterSelection::All(&self.teacher), false)?;
         prompts.tokens += head;
         prompts.caches.push((ctx.to_vec(), cache.clone()));
         Ok(cache)
@@ -871,11 +895,86 @@ impl Trainer {
         self.answer_pass(prefix, answer, &AdapterSelection::All(&self.policy), true)
     }
 
+    /// The policy's prompt for its training passes over one example's answers (the logged
+    /// one, the teacher's target, the correction): `prefix` but its last token, run once under
+    /// the policy into a KV cache. With [`TrainerConfig::prefix_grad`] its keys and values keep
+    /// their graph, so every pass after it back-propagates into the prompt through one shared
+    /// graph, exactly as separate full passes would; otherwise the prompt has none (the
+    /// detached prefix). A step with two answers runs a prompt of hundreds of tokens once, not
+    /// twice.
+    fn policy_prompt(&self, prefix: &[u32]) -> Result<KvCache> {
+        let Some(head) = prefix.len().checked_sub(1) else {
+            return Err(LearnerError::InvalidArgument("empty prompt".into()));
+        };
+        self.prefill(
+            &prefix[..head],
+            &AdapterSelection::All(&self.policy),
+            self.cfg.prefix_grad,
+        )
+    }
+
+    /// The policy's tracked final hidden states `[n, hidden]` at the positions that predict
+    /// `answer` after `prefix`, from `prompt` ([`Trainer::policy_prompt`] of `prefix`).
+    fn policy_rows_after(
+        &self,
+        prompt: &KvCache,
+        prefix: &[u32],
+        answer: &[u32],
+    ) -> Result<Tensor> {
+        if answer.is_empty() || prompt.len() >= prefix.len() {
+            return Err(LearnerError::InvalidArgument(
+                "empty answer, or a prompt cache that is not the prompt's".into(),
+            ));
+        }
+        let policy = AdapterSelection::All(&self.policy);
+        self.hidden_from(prompt.clone(), prefix, answer, &policy, true)
+    }
+
+    /// [`Trainer::policy_pass`] from the prompt's cache ([`Trainer::policy_prompt`]).
+    fn policy_pass_after(
+        &self,
+        prompt: &KvCache,
+        prefix: &[u32],
+        answer: &[u32],
+    ) -> Result<AnswerPass> {
+        let rows = self.policy_rows_after(prompt, prefix, answer)?;
+        self.pass_from_rows(&rows, answer)
+    }
+
+    /// The base model's pass (no adapter, no graph) over `answer` after `ex`'s prompt, from
+    /// the replay cache when this example's was made before
+    /// ([`TrainerConfig::base_cache_examples`]); adds the tokens it ran to `tokens`.
+    fn base_pass(
+        &mut self,
+        ex: &TrainExample,
+        answer: &[u32],
+        tokens: &mut usize,
+    ) -> Result<AnswerPass> {
+        if let Some(pass) = self.base_cache.get(ex.record_id, answer) {
+            return Ok(pass.clone());
+        }
+        *tokens += ex.context_ids.len() + answer.len();
+        let pass = self.answer_pass(&ex.context_ids, answer, &AdapterSelection::None, false)?;
+        let cap = self.cfg.base_cache_examples;
+        self.base_cache.put(ex.record_id, answer, pass.clone(), cap);
+        Ok(pass)
+    }
+
     /// Per-token cross-entropy of `answer` after `prefix` under the policy (tracked), through
-    /// the fused LM-head cross-entropy (no `[n, V]` logits kept).
-    fn sft_token_ce(&self, prefix: &[u32], answer: &[u32]) -> Result<Tensor> {
-        let rows =
-            self.answer_hidden(prefix, answer, &AdapterSelection::All(&self.policy), true)?;
+    /// the fused LM-head cross-entropy (no `[n, V]` logits kept); from `prompt`
+    /// ([`Trainer::policy_prompt`] of `prefix`) when the step has one.
+    fn sft_token_ce(
+        &self,
+        prompt: Option<&KvCache>,
+        prefix: &[u32],
+        answer: &[u32],
+    ) -> Result<Tensor> {
+        let rows = match prompt {
+            Some(prompt) => self.policy_rows_after(prompt, prefix, answer)?,
+            None => {
+                self.answer_hidden(prefix, answer, &AdapterSelection::All(&self.policy), true)?
+            }
+        };
         let targets = Tensor::from_slice(answer, answer.len(), self.model.device())?;
         Ok(ops::cross_entropy_with_head(
             &rows,
@@ -1360,22 +1459,24 @@ impl Trainer {
             let needs_student = w.distill > 0.0 && ex.teacher_context_ids.is_some()
                 || w.dense > 0.0 && (ex.teacher_context_ids.is_some() || ex.reward.is_some())
                 || w.kto > 0.0 && ex.thumbs.is_some();
-            if needs_student {
-                let student = self.policy_pass(&ex.context_ids, &ex.answer_ids)?;
-                report.tokens += ex.context_ids.len() + n;
+            // The policy's prompt, run once for all of this example's passes (the logged
+            // answer, the teacher's target, the correction).
+            let student_prompt = if needs_student {
+                report.tokens += ex.context_ids.len() - 1;
+                Some(self.policy_prompt(&ex.context_ids)?)
+            } else {
+                None
+            };
+            if let Some(prompt) = &student_prompt {
+                let student = self.policy_pass_after(prompt, &ex.context_ids, &ex.answer_ids)?;
+                report.tokens += n;
                 let s_lp: Vec<f32> = student.logprobs.detach().to_vec1()?;
 
                 // The base model at the logged positions: the KL guard (its full next-token
                 // distributions) and KTO's reference (its log-probs of the logged tokens).
                 let need_base = self.cfg.kl_penalty > 0.0 || (w.kto > 0.0 && ex.thumbs.is_some());
                 let base_pass = if need_base {
-                    report.tokens += ex.context_ids.len() + n;
-                    Some(self.answer_pass(
-                        &ex.context_ids,
-                        &ex.answer_ids,
-                        &AdapterSelection::None,
-                        false,
-                    )?)
+                    Some(self.base_pass(ex, &ex.answer_ids, &mut report.tokens)?)
                 } else {
                     None
                 };
@@ -1410,7 +1511,9 @@ impl Trainer {
                 let own = match &ex.teacher_context_ids {
                     Some(tctx) if w.distill > 0.0 && target != DistillTarget::Logged => {
                         let cacheable = self.caches_teacher_work(ex);
-                        let hit = cacheable.then(|| self.cache.get(ex).cloned()).flatten();
+                        let hit = cacheable
+                            .then(|| self.cache.get(ex.record_id, &ex.answer_ids).cloned())
+                            .flatten();
                         let c = teacher_counts.get_or_insert_with(Default::default);
                         let work = match hit {
                             Some(work) => {
@@ -1423,7 +1526,8 @@ impl Trainer {
                                 report.tokens += work.tokens;
                                 if cacheable {
                                     let cap = self.cfg.teacher_cache_examples;
-                                    self.cache.put(ex, work.clone(), cap);
+                                    self.cache
+                                        .put(ex.record_id, &ex.answer_ids, work.clone(), cap);
                                 }
                                 work
                             }
@@ -1456,8 +1560,8 @@ impl Trainer {
                 let on_own = match &own {
                     Some(a) if a.ids == ex.answer_ids => Some((student.logits.clone(), &a.logits)),
                     Some(a) => {
-                        report.tokens += ex.context_ids.len() + a.ids.len();
-                        let pass = self.policy_pass(&ex.context_ids, &a.ids)?;
+                        report.tokens += a.ids.len();
+                        let pass = self.policy_pass_after(prompt, &ex.context_ids, &a.ids)?;
                         if self.cfg.target_ce_weight > 0.0 && w.distill > 0.0 {
                             let ce = mean(&pass.logprobs.neg()?)?;
                             note("target_ce", ce.to_scalar::<f32>()? as f64);
@@ -1546,7 +1650,10 @@ impl Trainer {
             }
 
             if let (Some(corr), true) = (&ex.correction_ids, w.sft > 0.0) {
-                report.tokens += ex.context_ids.len() + corr.len();
+                report.tokens += match &student_prompt {
+                    Some(_) => corr.len(),
+                    None => ex.context_ids.len() + corr.len(),
+                };
                 let guard_here = !needs_student && self.cfg.kl_penalty > 0.0;
                 // A pure-SFT example measures its KL guard at the correction's positions, so its
                 // pass keeps the logits (`[n, V]`, a few MB); otherwise the fused cross-entropy.
@@ -1554,13 +1661,11 @@ impl Trainer {
                     let pass = self.policy_pass(&ex.context_ids, corr)?;
                     (pass.logprobs.neg()?, Some(pass.logits))
                 } else {
-                    (self.sft_token_ce(&ex.context_ids, corr)?, None)
+                    let prompt = student_prompt.as_ref();
+                    (self.sft_token_ce(prompt, &ex.context_ids, corr)?, None)
                 };
                 if let Some(policy_logits) = policy_logits {
-                    report.tokens += ex.context_ids.len() + corr.len();
-                    let base_logits = self
-                        .answer_pass(&ex.context_ids, corr, &AdapterSelection::None, false)?
-                        .logits;
+                    let base_logits = self.base_pass(ex, corr, &mut report.tokens)?.logits;
                     let kl = mean(&kl_exact(&policy_logits, &base_logits)?)?;
                     let kl_val = kl.to_scalar::<f32>()? as f64;
                     kl_sum += kl_val;
@@ -1896,13 +2001,14 @@ mod tests {
         let mut tr = Trainer::new(model(), weights(1.0, 0.0, 0.0, 0.0), "p").unwrap();
         let ex = example(0, true, false, Some(false));
         let before = logprob_of(&tr, &ex.context_ids, &[10, 11, 12]);
-        for _ in 0..5 {
+        for i in 0..5 {
             let r = tr.step(std::slice::from_ref(&ex)).unwrap();
             assert!(r.skipped.is_none(), "{r:?}");
             assert_eq!(r.applied.get("sft"), Some(&1));
-            // The correction's pass and the KL guard's base pass over it; no policy or base pass
-            // over the logged answer.
-            assert_eq!(r.tokens, 2 * (ex.context_ids.len() + 3), "{r:?}");
+            // The correction's pass and the KL guard's base pass over it (the first time; then
+            // the base pass comes from the replay cache); no pass over the logged answer.
+            let passes = if i == 0 { 2 } else { 1 };
+            assert_eq!(r.tokens, passes * (ex.context_ids.len() + 3), "{r:?}");
         }
         let after = logprob_of(&tr, &ex.context_ids, &[10, 11, 12]);
         assert!(
@@ -2829,6 +2935,127 @@ mod tests {
             after > before + 0.5,
             "log p(correction): {before} -> {after}"
         );
+    }
+
+    #[test]
+    fn the_policys_passes_after_one_prompt_match_separate_passes_and_their_gradients() {
+        // One step's passes over two answers (the logged one and the teacher's target) share
+        // the policy's prompt: the same logits and the same gradient as two full passes, with
+        // the prompt's graph (exact prefix) and without it (detached prefix).
+        let mut tr = Trainer::new(model(), weights(1.0, 0.0, 0.0, 0.0), "p").unwrap();
+        let ex = example(4, true, false, None);
+        for _ in 0..3 {
+            tr.step(std::slice::from_ref(&ex)).unwrap();
+        }
+        let ctx = ex.context_ids.clone();
+        let answers = [vec![7u32, 8, 9], vec![10u32, 11, 12, 13]];
+        let grads_of = |tr: &Trainer, passes: &[AnswerPass]| -> Vec<Option<Tensor>> {
+            let mut loss: Option<Tensor> = None;
+            for p in passes {
+                push(&mut loss, p.logprobs.sum_all().unwrap()).unwrap();
+            }
+            let mut g = loss.unwrap().backward().unwrap();
+            tr.policy()
+                .vars()
+                .iter()
+                .map(|v| g.remove(v.as_tensor()))
+                .collect()
+        };
+        for prefix_grad in [true, false] {
+            tr.cfg.prefix_grad = prefix_grad;
+            let separate: Vec<AnswerPass> = answers
+                .iter()
+                .map(|a| tr.policy_pass(&ctx, a).unwrap())
+                .collect();
+            let prompt = tr.policy_prompt(&ctx).unwrap();
+            let shared: Vec<AnswerPass> = answers
+                .iter()
+                .map(|a| tr.policy_pass_after(&prompt, &ctx, a).unwrap())
+                .collect();
+            for (a, b) in separate.iter().zip(&shared) {
+                let diff = max_abs_diff(&a.logits, &b.logits);
+                assert!(
+                    diff < 1e-4,
+                    "prefix_grad {prefix_grad}: logits differ by {diff}"
+                );
+            }
+            let (ga, gb) = (grads_of(&tr, &separate), grads_of(&tr, &shared));
+            let mut compared = 0;
+            for (a, b) in ga.iter().zip(&gb) {
+                match (a, b) {
+                    (Some(a), Some(b)) => {
+                        let scale = a.abs().unwrap().max_keepdim(0).unwrap();
+                        let scale = scale.max_keepdim(1).unwrap().flatten_all().unwrap();
+                        let scale = scale.to_vec1::<f32>().unwrap()[0].max(1e-6);
+                        let rel = max_abs_diff(a, b) / scale;
+                        assert!(
+                            rel < 1e-3,
+                            "prefix_grad {prefix_grad}: gradient off by {rel}"
+                        );
+                        compared += 1;
+                    }
+                    (None, None) => {}
+                    _ => panic!("prefix_grad {prefix_grad}: a gradient on one side only"),
+                }
+            }
+            assert!(
+                compared > 0,
+                "prefix_grad {prefix_grad}: no gradient compared"
+            );
+        }
+        assert!(tr.policy_prompt(&[]).is_err(), "an empty prompt is refused");
+        let prompt = tr.policy_prompt(&ctx).unwrap();
+        assert!(tr.policy_pass_after(&prompt, &ctx, &[]).is_err());
+        assert!(tr.policy_pass_after(&prompt, &ctx[..2], &[7]).is_err());
+    }
+
+    #[test]
+    fn the_base_models_pass_is_reused_on_replay_with_the_same_result() {
+        // The base model never changes: a replayed example's base pass (the KL guard's and
+        // KTO's reference) comes from the cache and the step is the one recomputing it would
+        // have made, at fewer tokens. Every objective on, a KL budget of 0 so the penalty reads
+        // the base logits; and a pure-SFT trainer, whose guard reads the base over the correction.
+        let make = |mut cfg: TrainerConfig, cache: usize| {
+            cfg.kl_budget = 0.0;
+            cfg.base_cache_examples = cache;
+            Trainer::new(model(), cfg, "p").unwrap()
+        };
+        let cases = [
+            (weights(1.0, 1.0, 1.0, 1.0), (true, true, Some(false))),
+            (weights(1.0, 0.0, 0.0, 0.0), (true, false, None)),
+        ];
+        for (cfg, (corr, teacher, thumbs)) in cases {
+            let mut cached = make(cfg.clone(), 64);
+            let mut plain = make(cfg, 0);
+            let ex = example(5, corr, teacher, thumbs);
+            let other = example(6, corr, teacher, thumbs.map(|t| !t));
+            for (i, batch) in [&ex, &ex, &other, &ex].into_iter().enumerate() {
+                let a = cached.step(std::slice::from_ref(batch)).unwrap();
+                let b = plain.step(std::slice::from_ref(batch)).unwrap();
+                assert_eq!(a.loss, b.loss, "step {i}");
+                assert_eq!(a.terms, b.terms, "step {i}");
+                // (The adapter starts as the base: KL 0 at the first step.)
+                let penalised = a.terms.contains_key("kl_penalty");
+                assert!(i == 0 || penalised, "step {i}: {:?}", a.terms);
+                if i == 1 || i == 3 {
+                    assert!(
+                        a.tokens < b.tokens,
+                        "step {i}: {} vs {}",
+                        a.tokens,
+                        b.tokens
+                    );
+                } else {
+                    assert_eq!(a.tokens, b.tokens, "step {i}");
+                }
+            }
+            let (wa, wb) = (
+                cached.policy().tensors().unwrap(),
+                plain.policy().tensors().unwrap(),
+            );
+            for (k, v) in &wa {
+                assert_eq!(max_abs_diff(v, &wb[k]), 0.0, "{k}");
+            }
+        }
     }
 
     #[test]
