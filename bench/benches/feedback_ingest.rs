@@ -149,9 +149,9 @@ fn body_for(batch: usize) -> Vec<u8> {
     let event = |k: usize| {
         serde_json::json!({
             "interaction_id": Uuid::now_v7(),
-            "kind": if k % 2 == 0 { "thumbs" } else { "score" },
-            "value": if k % 2 == 0 { serde_json::json!(true) } else { serde_json::json!(0.5) },
-            "metric": if k % 2 == 0 { serde_json::Value::Null } else { serde_json::json!("quality") },
+            "kind": if k.is_multiple_of(2) { "thumbs" } else { "score" },
+            "value": if k.is_multiple_of(2) { serde_json::json!(true) } else { serde_json::json!(0.5) },
+            "metric": if k.is_multiple_of(2) { serde_json::Value::Null } else { serde_json::json!("quality") },
             "source": "bench",
         })
     };

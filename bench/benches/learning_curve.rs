@@ -24,8 +24,11 @@
 //! #   EDIT_BASELINE=student|control  (what the edit compares the teacher shown the feedback with:
 //! #     the student, or the teacher shown a content-free critique)
 //! #   CONTRAST=0  (α of the teacher's decoding contrasted with the content-free critique)
-//! #   EDIT_MIN_LOGPROB=<nats>  (distil only on edit targets whose values the teacher gives at
-//! #     least this joint log-probability; default: every target)
+//! #   MIN_TARGET_LOGPROB=<nats>  (distil only on targets — the teacher's own answer or edit —
+//! #     whose values the teacher gives at least this joint log-probability; default: every
+//! #     target; EDIT_MIN_LOGPROB is the older name)
+//! #   MIN_FIELD_LOGPROB=<nats>  (per field of the target: its value's tokens are not learned
+//! #     when the teacher gives the value less than this log-probability; default: all learned)
 //! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
 //! #   RECORDS=json|compact  (compact: the order and customer records in one line each, ~30% shorter prompts)
 //! #   ORDERED=1  (feedback sent in episode order after each chunk's answers, so the learner's
@@ -147,11 +150,18 @@ async fn run() -> anyhow::Result<()> {
                 .with_context(|| format!("EDIT_BASELINE={b}: student or control"))?;
         }
         cfg.teacher_contrast = env("CONTRAST", cfg.teacher_contrast);
-        cfg.edit_min_target_logprob = std::env::var("EDIT_MIN_LOGPROB")
+        // MIN_TARGET_LOGPROB; EDIT_MIN_LOGPROB is its older name (edits only, then).
+        cfg.min_target_logprob = std::env::var("MIN_TARGET_LOGPROB")
+            .or_else(|_| std::env::var("EDIT_MIN_LOGPROB"))
             .ok()
             .map(|v| v.parse())
             .transpose()
-            .context("EDIT_MIN_LOGPROB: a log-probability in nats (<= 0)")?;
+            .context("MIN_TARGET_LOGPROB: a log-probability in nats (<= 0)")?;
+        cfg.min_field_logprob = std::env::var("MIN_FIELD_LOGPROB")
+            .ok()
+            .map(|v| v.parse())
+            .transpose()
+            .context("MIN_FIELD_LOGPROB: a log-probability in nats (<= 0)")?;
         cfg.edit_margin_nats = std::env::var("EDIT_MARGIN")
             .ok()
             .and_then(|v| v.parse().ok());

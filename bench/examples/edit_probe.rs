@@ -18,7 +18,7 @@
 //! fields flagged), and the share of target fields and of whole targets that are right, next
 //! to the logged answers'. Then, per configuration, how well the teacher's confidence in a
 //! target (margin 0) tells right targets from wrong ones: the targets ranked by their joint
-//! value log-probability ([`EditPreview::target_logprob`], what `edit_min_target_logprob`
+//! value log-probability ([`EditPreview::target_logprob`], what `min_target_logprob`
 //! filters on) and by their least likely value, and for the most confident 100/75/50/25% the
 //! floor that keeps them and how many of their fields and whole targets are right.
 //!

@@ -12,7 +12,7 @@ so from the log alone:
     below -margin; recall = criticized fields flagged, false alarms = uncriticized flagged;
   - edits: an edited value is right when it equals the stated value (criticized fields) or
     the logged value (uncriticized ones; any change there is an error).
-With `edit_min_target_logprob`, targets below the floor are reported apart (trained on or not).
+With `min_target_logprob`, targets below the floor are reported apart (trained on or not).
 With a frozen teacher the trainer caches its edits (`teacher_cache_examples`): a replayed
 example is logged once, when its edit is made, so the counts here are per example, not per step.
 With `distill_target = "teacher"` the log has the teacher's own answers instead ("The
@@ -65,18 +65,20 @@ def main():
             corr = re.search(r"A correct answer would be: (\{.*?\})", fb)
             truth = (dict(re.findall(r'"(\w+)": ?"(\w+)"', corr.group(1))) if corr
                      else {**fields("logged"), **stated_values(fb)})
-            own.append((fields("own"), truth))
+            conf = re.search(r"confidence=(-?[\d.e+-]+)", line)
+            own.append((fields("own"), truth, float(conf.group(1)) if conf else None, bool(corr)))
         elif "teacher's edit of the logged answer" in line and examples:
             examples[-1]["edited"] = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"edited=(\{.*?\})", line).group(1)))
         elif "below the confidence floor" in line and examples and rec and examples[-1]["rec"] == rec.group(1):
-            # edit_min_target_logprob: this target was not trained on.
+            # min_target_logprob: this target was not trained on.
             examples[-1]["kept"] = False
     if own:
-        whole = sum(o == t for o, t in own)
-        right = sum(o.get(k) == v for o, t in own for k, v in t.items())
-        n = sum(len(t) for _, t in own)
+        whole = sum(o == t for o, t, *_ in own)
+        right = sum(o.get(k) == v for o, t, *_ in own for k, v in t.items())
+        n = sum(len(t) for _, t, *_ in own)
         print(f"teacher's own answers: {len(own)}; fields right {right}/{n} ({100 * right / max(1, n):.0f}%), "
               f"whole answers right {whole} ({100 * whole / len(own):.0f}%)")
+        own_calibration(own)
     if not examples:
         return
     rows = [list(finish(e, margin)) for e in examples]
@@ -94,6 +96,24 @@ def main():
     whole = sum(all(ok for *_, ok in r) for r in rows)
     print(f"whole targets right (all fields as the critique implies): {whole}/{len(rows)} "
           f"({100 * whole / max(1, len(rows)):.0f}%)")
+
+
+def own_calibration(own):
+    """How well the teacher's confidence in its own answer (`confidence=`, the joint log-prob
+    of its field values; what `min_target_logprob` filters on) tells right answers from wrong
+    ones: the most confident 100/75/50/25%, with and without a correction in the feedback."""
+    scored = sorted(((c, o == t, corr) for o, t, c, corr in own if c is not None), reverse=True)
+    if not scored:
+        return
+    for name, group in (("all", scored), ("with a correction", [x for x in scored if x[2]]),
+                        ("critique only", [x for x in scored if not x[2]])):
+        if not group:
+            continue
+        parts = []
+        for share in (1.0, 0.75, 0.5, 0.25):
+            top = group[:max(1, round(share * len(group)))]
+            parts.append(f"top {int(share * 100)}%: floor {top[-1][0]:.2f}, right {sum(r for _, r, _ in top)}/{len(top)}")
+        print(f"  confidence, {name} ({len(group)}): " + "; ".join(parts))
 
 
 def finish(e, margin):

@@ -194,10 +194,14 @@ pub struct LearningConfig {
     /// `teacher_contrast`; older result files lack it: 0).
     #[serde(default)]
     pub teacher_contrast: f64,
-    /// The floor on the teacher's confidence in an edit target (the trainer's
-    /// `edit_min_target_logprob`; older result files lack it: none).
+    /// The floor on the teacher's confidence in its target, its own answer or edit (the
+    /// trainer's `min_target_logprob`; older result files lack it: none).
+    #[serde(default, alias = "edit_min_target_logprob")]
+    pub min_target_logprob: Option<f64>,
+    /// The floor on the teacher's confidence in each field value of its target (the trainer's
+    /// `min_field_logprob`; older result files lack it: none).
     #[serde(default)]
-    pub edit_min_target_logprob: Option<f64>,
+    pub min_field_logprob: Option<f64>,
     /// Run the likelihood probe of learning beyond the prior ([`PriorProbe`]) at every point
     /// (about a second per probed ticket on this CPU).
     #[serde(default)]
@@ -276,8 +280,11 @@ impl LearningConfig {
         if self.teacher_contrast > 0.0 {
             label.push_str(&format!(", contrast {}", self.teacher_contrast));
         }
-        if let Some(floor) = self.edit_min_target_logprob {
+        if let Some(floor) = self.min_target_logprob {
             label.push_str(&format!(", confidence ≥ {floor}"));
+        }
+        if let Some(floor) = self.min_field_logprob {
+            label.push_str(&format!(", values with confidence ≥ {floor}"));
         }
         label
     }
@@ -313,7 +320,8 @@ impl LearningConfig {
             edit_margin_nats: None,
             edit_baseline: EditBaseline::default(),
             teacher_contrast: 0.0,
-            edit_min_target_logprob: None,
+            min_target_logprob: None,
+            min_field_logprob: None,
             prior_probe: true,
             records: Records::Json,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
@@ -851,7 +859,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     }
     learner_cfg.trainer.edit_baseline = cfg.edit_baseline;
     learner_cfg.trainer.teacher_contrast = cfg.teacher_contrast;
-    learner_cfg.trainer.edit_min_target_logprob = cfg.edit_min_target_logprob;
+    learner_cfg.trainer.min_target_logprob = cfg.min_target_logprob;
+    learner_cfg.trainer.min_field_logprob = cfg.min_field_logprob;
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
     let setup = LearnerSetup {
@@ -1280,7 +1289,7 @@ mod tests {
         assert!(cfg
             .label()
             .ends_with("target CE 1, margin 0, vs control critique, contrast 1"));
-        cfg.edit_min_target_logprob = Some(-2.5);
+        cfg.min_target_logprob = Some(-2.5);
         assert!(cfg.label().ends_with("contrast 1, confidence ≥ -2.5"));
     }
 }

@@ -29,8 +29,8 @@ use crate::grammar::{
 use crate::lora::{Adapter, AdapterSelection, LoraConfig, LoraInit};
 use crate::model::{BatchLayout, KvCache, Model};
 use crate::objectives::{
-    dense_advantages, distill_loss, kl_exact, kto_loss, mean, pg_loss, token_logprobs, Divergence,
-    KtoConfig,
+    dense_advantages, distill_loss, kl_exact, kto_loss, mean, pg_loss, token_logprobs,
+    weighted_mean, Divergence, KtoConfig,
 };
 use crate::ops;
 use crate::optim::{AdamW, AdamWConfig};
@@ -151,14 +151,25 @@ pub struct TrainerConfig {
     /// Evidence"). 0 = plain greedy; examples without a control context decode plainly.
     #[serde(default)]
     pub teacher_contrast: f64,
-    /// [`DistillTarget::Edit`]: distil only on targets the teacher is confident in as a whole.
-    /// A target's confidence is the teacher's (shown the feedback) joint log-probability of
-    /// its field values, summed over every value's tokens (nats; see
-    /// [`EditPreview::confidence`]); an example whose target falls below this is not distilled
-    /// on (counted in [`TeacherAnswerCounts::unconfident`]). Trades examples for target
-    /// precision. `None` = every target is used.
+    /// [`DistillTarget::Teacher`] and [`DistillTarget::Edit`]: distil only on targets the
+    /// teacher is confident in as a whole. A target's confidence is the teacher's (shown the
+    /// feedback) joint log-probability of its field values, summed over every value's tokens
+    /// (nats): of its own decoded answer, or of the edit ([`EditPreview::confidence`]). An
+    /// example whose target falls below this is not distilled on (counted in
+    /// [`TeacherAnswerCounts::unconfident`]; its other objectives still run). Trades examples
+    /// for target precision. `None` = every target is used. Formerly
+    /// `edit_min_target_logprob` (still read).
+    #[serde(default, alias = "edit_min_target_logprob")]
+    pub min_target_logprob: Option<f64>,
+    /// [`DistillTarget::Teacher`] and [`DistillTarget::Edit`]: per field of a JSON-object
+    /// target, the teacher's (shown the feedback) log-probability of its value, summed over the
+    /// value's tokens (nats), below which that value's tokens carry no weight in distillation
+    /// and the target's cross-entropy; the rest of the target is still learned. Where the
+    /// whole-target floor ([`TrainerConfig::min_target_logprob`]) drops an example for one
+    /// doubtful field, this keeps its confident fields. Masked fields are counted in
+    /// [`TeacherAnswerCounts::masked_fields`]. `None` = every token counts.
     #[serde(default)]
-    pub edit_min_target_logprob: Option<f64>,
+    pub min_field_logprob: Option<f64>,
     /// With a frozen teacher (`teacher_ema_rate = 0`): how many examples' teacher work to keep
     /// for replay — the teacher's own answer ([`DistillTarget::Teacher`]), or the edit and the
     /// teacher's pass over the logged answer ([`DistillTarget::Edit`] against the control
@@ -306,7 +317,8 @@ impl Default for TrainerConfig {
             target_ce_weight: 0.0,
             edit_baseline: EditBaseline::default(),
             teacher_contrast: 0.0,
-            edit_min_target_logprob: None,
+            min_target_logprob: None,
+            min_field_logprob: None,
             teacher_cache_examples: default_teacher_cache_examples(),
             base_cache_examples: default_base_cache_examples(),
         }
@@ -352,13 +364,15 @@ impl TrainerConfig {
         if !(self.teacher_contrast.is_finite() && self.teacher_contrast >= 0.0) {
             return Err(bad("teacher_contrast must be a finite number >= 0"));
         }
-        if self
-            .edit_min_target_logprob
-            .is_some_and(|x| !(x.is_finite() && x <= 0.0))
-        {
-            return Err(bad(
-                "edit_min_target_logprob must be a finite number <= 0 (a log-probability)",
-            ));
+        for (name, floor) in [
+            ("min_target_logprob", self.min_target_logprob),
+            ("min_field_logprob", self.min_field_logprob),
+        ] {
+            if floor.is_some_and(|x| !(x.is_finite() && x <= 0.0)) {
+                return Err(bad(&format!(
+                    "{name} must be a finite number <= 0 (a log-probability)"
+                )));
+            }
         }
         Ok(())
     }
@@ -407,7 +421,7 @@ pub struct StepReport {
     /// Wall time of the step, ms.
     pub duration_ms: u64,
     /// Examples of the batch that no objective learned from: none applied, or the only one
-    /// was distillation on an edit target below the confidence floor (the KL guard alone does
+    /// was distillation on a target below the confidence floor (the KL guard alone does
     /// not count). The online loop keeps them out of its replay buffer, where they would only
     /// cost passes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -429,10 +443,14 @@ pub struct TeacherAnswerCounts {
     /// With `edit`: fields whose value was replaced by the teacher's.
     #[serde(default)]
     pub edited_fields: usize,
-    /// With `edit` and `edit_min_target_logprob`: examples not distilled on because the
-    /// teacher's confidence in their target was below it.
+    /// With `min_target_logprob`: examples not distilled on because the teacher's confidence
+    /// in their target (its own answer or the edit) was below it.
     #[serde(default)]
     pub unconfident: usize,
+    /// With `min_field_logprob`: target fields whose value's tokens were masked out (the
+    /// teacher's confidence in the value below the floor).
+    #[serde(default)]
+    pub masked_fields: usize,
     /// Targets taken from the teacher cache (no decoding; the other counts include them as
     /// when they were made). See [`TrainerConfig::teacher_cache_examples`].
     #[serde(default)]
@@ -446,6 +464,7 @@ impl std::ops::AddAssign for TeacherAnswerCounts {
         self.fallback += o.fallback;
         self.edited_fields += o.edited_fields;
         self.unconfident += o.unconfident;
+        self.masked_fields += o.masked_fields;
         self.cached += o.cached;
     }
 }
@@ -476,6 +495,23 @@ struct TeacherAnswer {
     logits: Tensor,
 }
 
+impl TeacherAnswer {
+    /// The log-probability of each of the answer's tokens under its logits.
+    fn logprobs(&self) -> Result<Vec<f64>> {
+        let ids = Tensor::from_slice(&self.ids, self.ids.len(), self.logits.device())?;
+        let lps: Vec<f32> = token_logprobs(&self.logits.to_dtype(DType::F32)?, &ids)?.to_vec1()?;
+        Ok(lps.into_iter().map(f64::from).collect())
+    }
+}
+
+/// Per top-level field of the JSON-object answer `ids` (empty for any other answer): the sum
+/// of `lps` (one per token) over the field value's tokens. Their sum is the joint
+/// log-probability [`TrainerConfig::min_target_logprob`] is compared with.
+fn value_confidence(dec: &TeacherDecoding, ids: &[u32], lps: &[f64]) -> Vec<(String, f64)> {
+    let (text, tokens) = answer_text(dec, ids);
+    object_value_spans(&text).map_or_else(Vec::new, |fields| field_sums(&fields, &tokens, lps))
+}
+
 /// What [`DistillTarget::Edit`] made of one logged answer ([`Trainer::edit_preview`]).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct EditPreview {
@@ -500,7 +536,7 @@ pub struct EditPreview {
 
 impl EditPreview {
     /// The teacher's joint log-probability of the target's field values (0 for an answer
-    /// that is not a JSON object): what `edit_min_target_logprob` is compared with.
+    /// that is not a JSON object): what `min_target_logprob` is compared with.
     pub fn target_logprob(&self) -> f64 {
         self.confidence.iter().map(|(_, lp)| lp).sum()
     }
@@ -544,6 +580,38 @@ fn field_sums(
             (key.clone(), sum)
         })
         .collect()
+}
+
+/// Per token of the JSON-object answer `ids`: 0 for the tokens of a field value whose
+/// confidence (`per_field`, as [`value_confidence`] makes it) is below `floor`, else 1; and how
+/// many fields that masked. `None` for an answer that is not a JSON object.
+fn field_mask(
+    dec: &TeacherDecoding,
+    ids: &[u32],
+    per_field: &[(String, f64)],
+    floor: f64,
+) -> Option<(Vec<f32>, usize)> {
+    let (text, tokens) = answer_text(dec, ids);
+    let fields = object_value_spans(&text)?;
+    let doubtful: Vec<&std::ops::Range<usize>> = fields
+        .iter()
+        .filter(|(key, _)| per_field.iter().any(|(k, lp)| k == key && *lp < floor))
+        .map(|(_, span)| span)
+        .collect();
+    let weights = tokens
+        .iter()
+        .map(|tok| {
+            let masked = doubtful
+                .iter()
+                .any(|v| tok.start < v.end && tok.end > v.start);
+            if masked {
+                0.0
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    Some((weights, doubtful.len()))
 }
 
 /// An edit and the teacher's spelling of it (the distillation target).
@@ -593,9 +661,13 @@ struct TeacherWork {
     pass: Option<AnswerPass>,
     /// The target: the teacher's own answer or the edit (`None`: the logged answer).
     target: Option<TeacherAnswer>,
-    /// [`DistillTarget::Edit`]: the teacher's confidence in the target
-    /// ([`EditPreview::target_logprob`]).
+    /// The teacher's confidence in the target: the joint log-probability of its field values
+    /// (of its own answer, or of the edit: [`EditPreview::target_logprob`]); `None` when the
+    /// teacher's answer did not finish.
     confidence: Option<f64>,
+    /// With `min_field_logprob`: per token of the answer distilled on (the target, else the
+    /// logged answer), 0 where it belongs to a doubtful field's value, else 1.
+    weights: Option<Vec<f32>>,
     /// The counts the work added when it was made.
     counts: TeacherAnswerCounts,
     /// The tokens its passes cost when it was made.
@@ -1202,19 +1274,14 @@ impl Trainer {
         let dec = self.decoding()?;
         // The teacher's log-probs of the target's tokens: from the pass that spelled an edit,
         // or the pass over the logged answer.
-        let (ids, lps): (&[u32], Vec<f64>) = match &out.target {
-            Some(a) => {
-                let ids = Tensor::from_slice(&a.ids, a.ids.len(), a.logits.device())?;
-                let lps: Vec<f32> =
-                    token_logprobs(&a.logits.to_dtype(DType::F32)?, &ids)?.to_vec1()?;
-                (&a.ids, lps.into_iter().map(f64::from).collect())
-            }
-            None => (&ex.answer_ids, t_lp.iter().map(|x| f64::from(*x)).collect()),
+        out.preview.confidence = match &out.target {
+            Some(a) => value_confidence(dec, &a.ids, &a.logprobs()?),
+            None => value_confidence(
+                dec,
+                &ex.answer_ids,
+                &t_lp.iter().map(|x| f64::from(*x)).collect::<Vec<_>>(),
+            ),
         };
-        let (text, tokens) = answer_text(dec, ids);
-        if let Some(fields) = object_value_spans(&text) {
-            out.preview.confidence = field_sums(&fields, &tokens, &lps);
-        }
         Ok(out)
     }
 
@@ -1311,6 +1378,25 @@ impl Trainer {
         Ok(out)
     }
 
+    /// With `min_field_logprob`: the per-token weights of the target `ids` ([`field_mask`]),
+    /// counting the masked fields; `None` without the floor or for a non-object answer.
+    fn field_weights(
+        &self,
+        ids: &[u32],
+        per_field: &[(String, f64)],
+        counts: &mut TeacherAnswerCounts,
+    ) -> Result<Option<Vec<f32>>> {
+        let Some(floor) = self.cfg.min_field_logprob else {
+            return Ok(None);
+        };
+        Ok(
+            field_mask(self.decoding()?, ids, per_field, floor).map(|(w, masked)| {
+                counts.masked_fields += masked;
+                w
+            }),
+        )
+    }
+
     /// The teacher's work on `ex` for [`DistillTarget::Teacher`] (its own answer) or
     /// [`DistillTarget::Edit`] (its pass over the logged answer, the edit and the confidence
     /// in it); `s_lp` are the student's log-probs of the logged tokens (the edit's default
@@ -1323,16 +1409,23 @@ impl Trainer {
             let own =
                 self.teacher_answer(&mut prompts, tctx, control, ex.answer_format.as_ref())?;
             counts.decoded += 1;
+            let (mut confidence, mut weights) = (None, None);
             match &own {
                 Some(a) => {
                     counts.changed += usize::from(a.ids != ex.answer_ids);
+                    let dec = self.decoding()?;
+                    let per_field = value_confidence(dec, &a.ids, &a.logprobs()?);
+                    let joint = per_field.iter().map(|(_, lp)| lp).sum::<f64>();
+                    confidence = Some(joint);
+                    weights = self.field_weights(&a.ids, &per_field, &mut counts)?;
                     if tracing::enabled!(tracing::Level::DEBUG) {
-                        let dec = self.decoding()?;
                         debug!(
                             record = %ex.record_id,
                             logged = %answer_text(dec, &ex.answer_ids).0,
                             own = %answer_text(dec, &a.ids).0,
                             feedback = ex.feedback_text.as_deref().unwrap_or(""),
+                            per_field = ?per_field,
+                            confidence = joint,
                             "The teacher's own answer."
                         );
                     }
@@ -1342,7 +1435,8 @@ impl Trainer {
             return Ok(TeacherWork {
                 pass: None,
                 target: own,
-                confidence: None,
+                confidence,
+                weights,
                 counts,
                 tokens: prompts.tokens,
             });
@@ -1353,11 +1447,14 @@ impl Trainer {
         let edit = self.teacher_edit(&mut prompts, tctx, ex, &t_lp, &r_lp, &mut counts)?;
         let tokens = prompts.tokens;
         let confidence = edit.preview.target_logprob();
+        let distilled = edit.target.as_ref().map_or(&ex.answer_ids, |a| &a.ids);
+        let weights = self.field_weights(distilled, &edit.preview.confidence, &mut counts)?;
         debug!(record = %ex.record_id, per_field = ?edit.preview.confidence, confidence, "The teacher's confidence in the target's values (log p, nats).");
         Ok(TeacherWork {
             pass: Some(pass),
             target: edit.target,
             confidence: Some(confidence),
+            weights,
             counts,
             tokens,
         })
@@ -1506,8 +1603,12 @@ impl Trainer {
                     )
                 };
                 let mut teacher = None;
-                // An edit target the teacher is not confident in: no distillation here.
+                // A target (own answer or edit) the teacher is not confident in: no distillation
+                // here.
                 let mut unconfident = false;
+                // Per token of the answer distilled on: 0 on doubtful field values
+                // (`min_field_logprob`).
+                let mut weights = None;
                 let own = match &ex.teacher_context_ids {
                     Some(tctx) if w.distill > 0.0 && target != DistillTarget::Logged => {
                         let cacheable = self.caches_teacher_work(ex);
@@ -1534,9 +1635,10 @@ impl Trainer {
                         };
                         *c += work.counts;
                         teacher = work.pass;
-                        match (work.confidence, self.cfg.edit_min_target_logprob) {
+                        weights = work.weights;
+                        match (work.confidence, self.cfg.min_target_logprob) {
                             (Some(confidence), Some(min)) if confidence < min => {
-                                debug!(record = %ex.record_id, confidence, "Edit target below the confidence floor; not distilled on.");
+                                debug!(record = %ex.record_id, confidence, "Target below the confidence floor; not distilled on.");
                                 c.unconfident += 1;
                                 unconfident = true;
                                 None
@@ -1548,7 +1650,7 @@ impl Trainer {
                 };
                 if teacher.is_none()
                     && ex.teacher_context_ids.is_some()
-                    && (w.dense > 0.0 || w.distill > 0.0 && own.is_none())
+                    && (w.dense > 0.0 || w.distill > 0.0 && own.is_none() && !unconfident)
                 {
                     report.tokens += ex.teacher_context_ids.as_ref().map_or(0, Vec::len) + n;
                     teacher = Some(teacher_pass(self)?);
@@ -1563,7 +1665,7 @@ impl Trainer {
                         report.tokens += a.ids.len();
                         let pass = self.policy_pass_after(prompt, &ex.context_ids, &a.ids)?;
                         if self.cfg.target_ce_weight > 0.0 && w.distill > 0.0 {
-                            let ce = mean(&pass.logprobs.neg()?)?;
+                            let ce = weighted_mean(&pass.logprobs.neg()?, weights.as_deref())?;
                             note("target_ce", ce.to_scalar::<f32>()? as f64);
                             push(&mut total, (ce * self.cfg.target_ce_weight)?)?;
                             learned = true;
@@ -1579,12 +1681,15 @@ impl Trainer {
                 });
                 if let (Some((s_logits, t_logits)), true) = (pair, w.distill > 0.0 && !unconfident)
                 {
-                    let d = mean(&distill_loss(
-                        &s_logits,
-                        t_logits,
-                        self.cfg.top_k.min(t_logits.dim(1)?),
-                        self.cfg.divergence,
-                    )?)?;
+                    let d = weighted_mean(
+                        &distill_loss(
+                            &s_logits,
+                            t_logits,
+                            self.cfg.top_k.min(t_logits.dim(1)?),
+                            self.cfg.divergence,
+                        )?,
+                        weights.as_deref(),
+                    )?;
                     note("distill", d.to_scalar::<f32>()? as f64);
                     push(&mut total, (d * w.distill)?)?;
                     learned = true;
@@ -2205,6 +2310,7 @@ mod tests {
                     fallback: 0,
                     edited_fields: 0,
                     unconfident: 0,
+                    masked_fields: 0,
                     cached: usize::from(i > 0),
                 })
             );
@@ -2227,6 +2333,45 @@ mod tests {
             "student preference {} -> {} vs the teacher's {teacher_pref}",
             own0 - logged0,
             own1 - logged1
+        );
+    }
+
+    #[test]
+    fn a_confidence_floor_keeps_the_teachers_unlikely_answers_out_of_distillation() {
+        let mut tr = Trainer::new(model(), distill_on(DistillTarget::Teacher), "p").unwrap();
+        let (dec, rf, _) = guided();
+        tr.set_decoding(dec);
+        let mut ex = example(4, false, true, None);
+        ex.answer_format = Some(rf.clone());
+        let tctx = ex.teacher_context_ids.clone().unwrap();
+        let work = tr.teacher_work(&tctx, &ex, &[]).unwrap();
+        let own = work.target.unwrap().ids;
+        let confidence = work.confidence.unwrap();
+        // The joint log-probability of the answer's value tokens: below 0, and at least that of
+        // the whole answer (a subset of its tokens) in a separate teacher pass.
+        let whole = logprob_under(&tr, tr.teacher(), &tctx, &own);
+        assert!(
+            confidence < 0.0 && confidence >= whole - 1e-3,
+            "{confidence} vs whole answer {whole}"
+        );
+        tr.cfg.min_target_logprob = Some(confidence + 0.1);
+        let before = logprob_of(&tr, &ex.context_ids, &own);
+        let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+        assert_eq!(r.teacher_answers.unwrap().unconfident, 1, "{r:?}");
+        assert_eq!(r.unlearned, vec![ex.record_id], "{r:?}");
+        assert!(r.terms.is_empty() && r.skipped.is_some(), "{r:?}");
+        assert_eq!(logprob_of(&tr, &ex.context_ids, &own), before);
+        tr.cfg.min_target_logprob = Some(confidence - 0.1);
+        let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+        assert_eq!(r.teacher_answers.unwrap().unconfident, 0, "{r:?}");
+        assert!(
+            r.terms.contains_key("distill") && r.skipped.is_none(),
+            "{r:?}"
+        );
+        assert_ne!(
+            logprob_of(&tr, &ex.context_ids, &own),
+            before,
+            "the step trained"
         );
     }
 
@@ -2267,6 +2412,75 @@ mod tests {
         let (dec, rf, ids) = guided_pair();
         tr.set_decoding(dec);
         (tr, rf, ids)
+    }
+
+    #[test]
+    fn the_target_floors_older_name_is_still_read() {
+        let cfg: TrainerConfig =
+            serde_json::from_value(serde_json::json!({"edit_min_target_logprob": -1.5})).unwrap();
+        assert_eq!(cfg.min_target_logprob, Some(-1.5));
+        let cfg: TrainerConfig =
+            serde_json::from_value(serde_json::json!({"min_field_logprob": -2.5})).unwrap();
+        assert_eq!(cfg.min_field_logprob, Some(-2.5));
+        assert!(cfg.check().is_ok());
+    }
+
+    #[test]
+    fn the_field_mask_zeroes_only_the_tokens_of_doubtful_values() {
+        let (dec, _, ids) = guided_pair();
+        // `{"j": "b", "k": "c"}` is one token per character; `"c"` is characters 16..19.
+        let answer = ids(r#"{"j": "b", "k": "c"}"#);
+        let per_field = [("j".to_string(), -1.0), ("k".to_string(), -3.0)];
+        let (w, masked) = field_mask(&dec, &answer, &per_field, -2.0).unwrap();
+        let zeros: Vec<usize> = (0..w.len()).filter(|&i| w[i] == 0.0).collect();
+        assert_eq!((zeros, masked), (vec![16, 17, 18], 1));
+        assert!(w.iter().all(|&x| x == 0.0 || x == 1.0));
+        assert_eq!(field_mask(&dec, &answer, &per_field, -0.5).unwrap().1, 2);
+        let (w, masked) = field_mask(&dec, &answer, &per_field, -5.0).unwrap();
+        assert!(masked == 0 && w.iter().all(|&x| x == 1.0));
+        // Not a JSON object: nothing to mask by field.
+        assert!(field_mask(&dec, &ids("ab"), &per_field, -2.0).is_none());
+    }
+
+    #[test]
+    fn a_field_floor_masks_doubtful_values_out_of_distillation_and_target_ce() {
+        let step = |floor: Option<f64>| {
+            let mut cfg = distill_on(DistillTarget::Teacher);
+            cfg.target_ce_weight = 1.0;
+            cfg.min_field_logprob = floor;
+            let mut tr = Trainer::new(model(), cfg, "p").unwrap();
+            let (dec, rf, ids) = guided_pair();
+            tr.set_decoding(dec);
+            let mut ex = example(6, false, true, None);
+            ex.answer_format = Some(rf);
+            let tctx = ex.teacher_context_ids.clone().unwrap();
+            let own = tr
+                .teacher_work(&tctx, &ex, &[])
+                .unwrap()
+                .target
+                .unwrap()
+                .ids;
+            // A logged answer that differs from the teacher's, so its own is a second pass.
+            ex.answer_ids = ["a", "b", "c"]
+                .iter()
+                .map(|v| ids(&format!(r#"{{"j": "{v}", "k": "{v}"}}"#)))
+                .find(|a| *a != own)
+                .unwrap();
+            tr.step(std::slice::from_ref(&ex)).unwrap()
+        };
+        let (all, masked) = (step(None), step(Some(0.0)));
+        // A floor of 0 doubts every value: both fields masked, their tokens' losses gone from
+        // both terms (the rest — braces, keys, the end of turn — still learned).
+        assert_eq!(all.teacher_answers.unwrap().masked_fields, 0, "{all:?}");
+        assert_eq!(
+            masked.teacher_answers.unwrap().masked_fields,
+            2,
+            "{masked:?}"
+        );
+        for term in ["distill", "target_ce"] {
+            let (a, m) = (all.terms[term], masked.terms[term]);
+            assert!(m > 0.0 && m < a, "{term}: {a} unmasked, {m} masked");
+        }
     }
 
     #[test]
@@ -2497,6 +2711,7 @@ mod tests {
                 fallback: 0,
                 edited_fields: 1,
                 unconfident: 0,
+                masked_fields: 0,
                 cached: 0,
             }
         );
@@ -2661,7 +2876,7 @@ mod tests {
         let confidence = tr.edit_preview(&ex).unwrap().unwrap().target_logprob();
         assert!(confidence < -0.5, "{confidence}");
         // Just above the target's confidence: the example is counted and not distilled on.
-        tr.cfg.edit_min_target_logprob = Some(confidence + 0.1);
+        tr.cfg.min_target_logprob = Some(confidence + 0.1);
         let before = logprob_of(&tr, &ex.context_ids, &ex.answer_ids);
         let r = tr.step(std::slice::from_ref(&ex)).unwrap();
         assert_eq!(r.teacher_answers.unwrap().unconfident, 1, "{r:?}");
@@ -2670,7 +2885,7 @@ mod tests {
         assert!(r.skipped.is_some(), "nothing to learn: {r:?}");
         assert_eq!(logprob_of(&tr, &ex.context_ids, &ex.answer_ids), before);
         // Just below: the same example is distilled on.
-        tr.cfg.edit_min_target_logprob = Some(confidence - 0.1);
+        tr.cfg.min_target_logprob = Some(confidence - 0.1);
         let r = tr.step(std::slice::from_ref(&ex)).unwrap();
         assert_eq!(r.teacher_answers.unwrap().unconfident, 0, "{r:?}");
         assert!(r.unlearned.is_empty(), "{r:?}");
@@ -2681,11 +2896,11 @@ mod tests {
         // The floor is a log-probability.
         for floor in [0.5, f64::NAN, f64::NEG_INFINITY] {
             let cfg = TrainerConfig {
-                edit_min_target_logprob: Some(floor),
+                min_target_logprob: Some(floor),
                 ..TrainerConfig::default()
             };
             let err = cfg.check().unwrap_err().to_string();
-            assert!(err.contains("edit_min_target_logprob"), "{floor}: {err}");
+            assert!(err.contains("min_target_logprob"), "{floor}: {err}");
         }
     }
 
