@@ -2275,14 +2275,28 @@ mod tests {
         cfg
     }
 
-    #[test]
-    fn distilling_on_the_teachers_answer_moves_the_student_to_it() {
+    /// A trainer distilling on the teacher's own answer over [`guided`]'s vocabulary, an
+    /// example with its response format, the example's teacher prompt, the format and
+    /// [`guided`]'s ids-to-text function.
+    fn teacher_on_guided() -> (
+        Trainer,
+        TrainExample,
+        Vec<u32>,
+        OJson,
+        impl Fn(&[u32]) -> String,
+    ) {
         let mut tr = Trainer::new(model(), distill_on(DistillTarget::Teacher), "p").unwrap();
         let (dec, rf, text) = guided();
         tr.set_decoding(dec);
         let mut ex = example(4, false, true, None);
         ex.answer_format = Some(rf.clone());
         let tctx = ex.teacher_context_ids.clone().unwrap();
+        (tr, ex, tctx, rf, text)
+    }
+
+    #[test]
+    fn distilling_on_the_teachers_answer_moves_the_student_to_it() {
+        let (mut tr, mut ex, tctx, rf, text) = teacher_on_guided();
         let own = tr
             .teacher_answer(&mut TeacherPrompts::default(), &tctx, None, Some(&rf))
             .unwrap()
@@ -2338,12 +2352,7 @@ mod tests {
 
     #[test]
     fn a_confidence_floor_keeps_the_teachers_unlikely_answers_out_of_distillation() {
-        let mut tr = Trainer::new(model(), distill_on(DistillTarget::Teacher), "p").unwrap();
-        let (dec, rf, _) = guided();
-        tr.set_decoding(dec);
-        let mut ex = example(4, false, true, None);
-        ex.answer_format = Some(rf.clone());
-        let tctx = ex.teacher_context_ids.clone().unwrap();
+        let (mut tr, ex, tctx, _, _) = teacher_on_guided();
         let work = tr.teacher_work(&tctx, &ex, &[]).unwrap();
         let own = work.target.unwrap().ids;
         let confidence = work.confidence.unwrap();
@@ -2408,6 +2417,12 @@ mod tests {
         let mut cfg = distill_on(DistillTarget::Edit);
         cfg.edit_margin_nats = 0.0;
         cfg.target_ce_weight = target_ce;
+        pair_trainer(cfg)
+    }
+
+    /// A trainer with `cfg` decoding over [`guided_pair`]'s vocabulary (with its response
+    /// format and text-to-ids helper).
+    fn pair_trainer(cfg: TrainerConfig) -> (Trainer, OJson, impl Fn(&str) -> Vec<u32>) {
         let mut tr = Trainer::new(model(), cfg, "p").unwrap();
         let (dec, rf, ids) = guided_pair();
         tr.set_decoding(dec);
@@ -2448,9 +2463,7 @@ mod tests {
             let mut cfg = distill_on(DistillTarget::Teacher);
             cfg.target_ce_weight = 1.0;
             cfg.min_field_logprob = floor;
-            let mut tr = Trainer::new(model(), cfg, "p").unwrap();
-            let (dec, rf, ids) = guided_pair();
-            tr.set_decoding(dec);
+            let (mut tr, rf, ids) = pair_trainer(cfg);
             let mut ex = example(6, false, true, None);
             ex.answer_format = Some(rf);
             let tctx = ex.teacher_context_ids.clone().unwrap();
