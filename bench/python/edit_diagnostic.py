@@ -19,11 +19,17 @@ With `distill_target = "teacher"` the log has the teacher's own answers instead 
 teacher's own answer."); those are scored whole, against the correction when the feedback
 carries one ("A correct answer would be: {...}"), else the critique's stated values over the
 logged answer.
-Usage: edit_diagnostic.py LOG [MARGIN=0.5]
+Own answers are also ranked by the teacher's confidence (`confidence=`, `per_field=`): whole
+answers and, per field, values with a correction, values the critique states and values it does
+not mention. With FIELD_FLOOR=<nats> in the environment: how many values a `min_field_logprob`
+at that floor keeps and masks, and how many of each are right.
+Usage: [FIELD_FLOOR=-2.5] edit_diagnostic.py LOG [MARGIN=0.5]
 """
+import os
 import re
 import sys
 
+FIELD_FLOOR = float(os.environ["FIELD_FLOOR"]) if os.environ.get("FIELD_FLOOR") else None
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STATED = [
     ("department", re.compile(r"So the department is (\w+)\.|It has to go to (\w+)\.")),
@@ -66,7 +72,9 @@ def main():
             truth = (dict(re.findall(r'"(\w+)": ?"(\w+)"', corr.group(1))) if corr
                      else {**fields("logged"), **stated_values(fb)})
             conf = re.search(r"confidence=(-?[\d.e+-]+)", line)
-            own.append((fields("own"), truth, float(conf.group(1)) if conf else None, bool(corr)))
+            per_field = {k: float(v) for k, v in shifts_rx.findall(line)}
+            own.append((fields("own"), truth, float(conf.group(1)) if conf else None, bool(corr),
+                        per_field, set(stated_values(fb)) if not corr else None))
         elif "teacher's edit of the logged answer" in line and examples:
             examples[-1]["edited"] = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"edited=(\{.*?\})", line).group(1)))
         elif "below the confidence floor" in line and examples and rec and examples[-1]["rec"] == rec.group(1):
@@ -102,18 +110,37 @@ def own_calibration(own):
     """How well the teacher's confidence in its own answer (`confidence=`, the joint log-prob
     of its field values; what `min_target_logprob` filters on) tells right answers from wrong
     ones: the most confident 100/75/50/25%, with and without a correction in the feedback."""
-    scored = sorted(((c, o == t, corr) for o, t, c, corr in own if c is not None), reverse=True)
+    scored = sorted(((c, o == t, corr) for o, t, c, corr, *_ in own if c is not None), reverse=True)
     if not scored:
         return
-    for name, group in (("all", scored), ("with a correction", [x for x in scored if x[2]]),
-                        ("critique only", [x for x in scored if not x[2]])):
-        if not group:
-            continue
-        parts = []
-        for share in (1.0, 0.75, 0.5, 0.25):
-            top = group[:max(1, round(share * len(group)))]
-            parts.append(f"top {int(share * 100)}%: floor {top[-1][0]:.2f}, right {sum(r for _, r, _ in top)}/{len(top)}")
-        print(f"  confidence, {name} ({len(group)}): " + "; ".join(parts))
+    ranked("confidence, all", scored)
+    ranked("confidence, with a correction", [x for x in scored if x[2]])
+    ranked("confidence, critique only", [x for x in scored if not x[2]])
+    # Per field (`per_field=`, what `min_field_logprob` filters on): a value is right when it
+    # equals the truth; critique-only values split by whether the critique states the field.
+    values = [(lp, o.get(k) == t.get(k), corr, stated is not None and k in stated)
+              for o, t, _, corr, per_field, stated in own for k, lp in per_field.items()]
+    ranked("per field, with a correction", sorted([v for v in values if v[2]], reverse=True))
+    ranked("per field, values the critique states",
+           sorted([v for v in values if not v[2] and v[3]], reverse=True))
+    ranked("per field, values the critique does not mention",
+           sorted([v for v in values if not v[2] and not v[3]], reverse=True))
+    if FIELD_FLOOR is not None:
+        for name, keep in (("kept", True), ("masked", False)):
+            group = [v for v in values if (v[0] >= FIELD_FLOOR) == keep]
+            print(f"  values {name} at min_field_logprob {FIELD_FLOOR}: {len(group)}, right {sum(v[1] for v in group)}")
+
+
+def ranked(name, group):
+    """The most confident 100/75/50/25% of `group` (sorted, most confident first; each item
+    starts with (confidence, right)): the floor that keeps them and how many are right."""
+    if not group:
+        return
+    parts = []
+    for share in (1.0, 0.75, 0.5, 0.25):
+        top = group[:max(1, round(share * len(group)))]
+        parts.append(f"top {int(share * 100)}%: floor {top[-1][0]:.2f}, right {sum(r[1] for r in top)}/{len(top)}")
+    print(f"  {name} ({len(group)}): " + "; ".join(parts))
 
 
 def finish(e, margin):
