@@ -29,6 +29,9 @@
 //! #     target; EDIT_MIN_LOGPROB is the older name)
 //! #   MIN_FIELD_LOGPROB=<nats>  (per field of the target: its value's tokens are not learned
 //! #     when the teacher gives the value less than this log-probability; default: all learned)
+//! #   CONFIDENCE=vocabulary|decision  (how the two floors read the teacher's confidence: over
+//! #     the whole vocabulary, or each decoding choice among the tokens the grammar allowed;
+//! #     decision needs DISTILL_TARGET=teacher)
 //! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
 //! #   RECORDS=json|compact  (compact: the order and customer records in one line each, ~30% shorter prompts)
 //! #   ORDERED=1  (feedback sent in episode order after each chunk's answers, so the learner's
@@ -162,6 +165,10 @@ async fn run() -> anyhow::Result<()> {
             .map(|v| v.parse())
             .transpose()
             .context("MIN_FIELD_LOGPROB: a log-probability in nats (<= 0)")?;
+        if let Ok(c) = std::env::var("CONFIDENCE") {
+            cfg.confidence = serde_json::from_value(serde_json::Value::String(c.clone()))
+                .with_context(|| format!("CONFIDENCE={c}: vocabulary or decision"))?;
+        }
         cfg.edit_margin_nats = std::env::var("EDIT_MARGIN")
             .ok()
             .and_then(|v| v.parse().ok());

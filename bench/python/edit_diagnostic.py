@@ -19,10 +19,12 @@ With `distill_target = "teacher"` the log has the teacher's own answers instead 
 teacher's own answer."); those are scored whole, against the correction when the feedback
 carries one ("A correct answer would be: {...}"), else the critique's stated values over the
 logged answer.
-Own answers are also ranked by the teacher's confidence (`confidence=`, `per_field=`): whole
-answers and, per field, values with a correction, values the critique states and values it does
-not mention. With FIELD_FLOOR=<nats> in the environment: how many values a `min_field_logprob`
-at that floor keeps and masks, and how many of each are right.
+Own answers are also ranked by the teacher's confidence, once per measure the log carries
+(`per_field=`: over the vocabulary; `decision=`: each decoding choice among the tokens the
+grammar allowed, the trainer's `confidence = "decision"`): whole answers (the sum over fields)
+and, per field, values with a correction, values the critique states and values it does not
+mention. With FIELD_FLOOR=<nats> in the environment: how many values a `min_field_logprob` at
+that floor keeps and masks, and how many of each are right.
 Usage: [FIELD_FLOOR=-2.5] edit_diagnostic.py LOG [MARGIN=0.5]
 """
 import os
@@ -71,10 +73,13 @@ def main():
             corr = re.search(r"A correct answer would be: (\{.*?\})", fb)
             truth = (dict(re.findall(r'"(\w+)": ?"(\w+)"', corr.group(1))) if corr
                      else {**fields("logged"), **stated_values(fb)})
-            conf = re.search(r"confidence=(-?[\d.e+-]+)", line)
-            per_field = {k: float(v) for k, v in shifts_rx.findall(line)}
-            own.append((fields("own"), truth, float(conf.group(1)) if conf else None, bool(corr),
-                        per_field, set(stated_values(fb)) if not corr else None))
+            measures = {}
+            for key, name in (("per_field", "vocabulary"), ("decision", "decision")):
+                m = re.search(key + r"=\[(.*?)\]", line)
+                if m:
+                    measures[name] = {k: float(v) for k, v in shifts_rx.findall(m.group(1))}
+            own.append((fields("own"), truth, bool(corr), measures,
+                        set(stated_values(fb)) if not corr else None))
         elif "teacher's edit of the logged answer" in line and examples:
             examples[-1]["edited"] = dict(re.findall(r'"(\w+)": "(\w+)"', re.search(r"edited=(\{.*?\})", line).group(1)))
         elif "below the confidence floor" in line and examples and rec and examples[-1]["rec"] == rec.group(1):
@@ -107,19 +112,26 @@ def main():
 
 
 def own_calibration(own):
-    """How well the teacher's confidence in its own answer (`confidence=`, the joint log-prob
-    of its field values; what `min_target_logprob` filters on) tells right answers from wrong
-    ones: the most confident 100/75/50/25%, with and without a correction in the feedback."""
-    scored = sorted(((c, o == t, corr) for o, t, c, corr, *_ in own if c is not None), reverse=True)
-    if not scored:
-        return
+    for measure in ("vocabulary", "decision"):
+        group = [(o, t, corr, m[measure], stated) for o, t, corr, m, stated in own if measure in m]
+        if group:
+            print(f"confidence over the {measure}:" if measure == "vocabulary"
+                  else "confidence of the decisions (among the tokens the grammar allowed):")
+            calibration(group)
+
+
+def calibration(own):
+    """How well the teacher's confidence in its own answer (the joint log-prob of its field
+    values, what `min_target_logprob` filters on) tells right answers from wrong ones: the
+    most confident 100/75/50/25%, with and without a correction in the feedback."""
+    scored = sorted(((sum(pf.values()), o == t, corr) for o, t, corr, pf, _ in own), reverse=True)
     ranked("confidence, all", scored)
     ranked("confidence, with a correction", [x for x in scored if x[2]])
     ranked("confidence, critique only", [x for x in scored if not x[2]])
     # Per field (`per_field=`, what `min_field_logprob` filters on): a value is right when it
     # equals the truth; critique-only values split by whether the critique states the field.
     values = [(lp, o.get(k) == t.get(k), corr, stated is not None and k in stated)
-              for o, t, _, corr, per_field, stated in own for k, lp in per_field.items()]
+              for o, t, corr, per_field, stated in own for k, lp in per_field.items()]
     ranked("per field, with a correction", sorted([v for v in values if v[2]], reverse=True))
     ranked("per field, values the critique states",
            sorted([v for v in values if not v[2] and v[3]], reverse=True))

@@ -23,7 +23,7 @@ use hindsight_learner::online::{
 };
 use hindsight_learner::publish::PublishConfig;
 use hindsight_learner::registry::RegistryConfig;
-use hindsight_learner::trainer::{DistillTarget, EditBaseline, ObjectiveWeights};
+use hindsight_learner::trainer::{Confidence, DistillTarget, EditBaseline, ObjectiveWeights};
 use hindsight_proxy::{Extensions, RawConfig};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -202,6 +202,10 @@ pub struct LearningConfig {
     /// `min_field_logprob`; older result files lack it: none).
     #[serde(default)]
     pub min_field_logprob: Option<f64>,
+    /// How the teacher's confidence is read for the two floors (the trainer's `confidence`;
+    /// older result files lack it: over the vocabulary).
+    #[serde(default)]
+    pub confidence: Confidence,
     /// Run the likelihood probe of learning beyond the prior ([`PriorProbe`]) at every point
     /// (about a second per probed ticket on this CPU).
     #[serde(default)]
@@ -286,6 +290,9 @@ impl LearningConfig {
         if let Some(floor) = self.min_field_logprob {
             label.push_str(&format!(", values with confidence ≥ {floor}"));
         }
+        if self.confidence == Confidence::Decision {
+            label.push_str(" (decision)");
+        }
         label
     }
 
@@ -322,6 +329,7 @@ impl LearningConfig {
             teacher_contrast: 0.0,
             min_target_logprob: None,
             min_field_logprob: None,
+            confidence: Confidence::default(),
             prior_probe: true,
             records: Records::Json,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
@@ -861,6 +869,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     learner_cfg.trainer.teacher_contrast = cfg.teacher_contrast;
     learner_cfg.trainer.min_target_logprob = cfg.min_target_logprob;
     learner_cfg.trainer.min_field_logprob = cfg.min_field_logprob;
+    learner_cfg.trainer.confidence = cfg.confidence;
     learner_cfg.trainer.lora.rank = cfg.rank;
     learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
     let setup = LearnerSetup {

@@ -896,6 +896,28 @@ pub fn best_allowed(logits: &[f32], allowed: &dyn Fn(u32) -> bool) -> Option<u32
     })
 }
 
+/// The log-probability of `chosen` renormalised over the tokens `allowed` admits: the
+/// probability of the decision among the choices the grammar leaves (0 where it leaves only
+/// one), where a full-vocabulary log-probability also counts the mass on tokens the grammar
+/// forbids. Tokens more than 30 nats below `chosen` are not checked: each weighs less than
+/// e^-30 against it, all 49k of the default vocabulary together < 5e-9 relative.
+pub fn choice_logprob(logits: &[f32], chosen: u32, allowed: &dyn Fn(u32) -> bool) -> f64 {
+    const WINDOW_NATS: f64 = 30.0;
+    let Some(&own) = logits.get(chosen as usize) else {
+        return f64::NEG_INFINITY;
+    };
+    let own = f64::from(own);
+    let sum: f64 = logits
+        .iter()
+        .enumerate()
+        .filter(|(i, &l)| {
+            *i as u32 == chosen || (f64::from(l) >= own - WINDOW_NATS && allowed(*i as u32))
+        })
+        .map(|(_, &l)| (f64::from(l) - own).exp())
+        .sum();
+    -sum.ln()
+}
+
 /// Whether token `id` may follow in `state`: every character of its text must continue a valid
 /// document. The first character's successor state is memoised (most candidates share a few
 /// first characters).
@@ -1120,6 +1142,23 @@ mod tests {
             .is_none());
         let e = response_format_grammar(&ordered(&json!({"type": "xml"}))).unwrap_err();
         assert!(e.0.contains("json_schema"), "{e}");
+    }
+
+    #[test]
+    fn choice_logprob_renormalises_over_the_allowed_tokens() {
+        let logits = [2.0f32, 1.0, 0.0, 5.0, -100.0];
+        let allowed = |i: u32| i != 3;
+        let want = 2.0 - (2f64.exp() + 1f64.exp() + 1.0).ln();
+        assert!((choice_logprob(&logits, 0, &allowed) - want).abs() < 1e-9);
+        // The full-vocabulary log-probability is far lower: token 3 dominates it.
+        let full = 2.0 - logits.iter().map(|&l| f64::from(l).exp()).sum::<f64>().ln();
+        assert!(full < want - 2.5, "{full} vs {want}");
+        // A forced token (the only one allowed) is a certain decision.
+        assert_eq!(choice_logprob(&logits, 1, &|i| i == 1), 0.0);
+        // A non-greedy choice counts the allowed tokens above it too.
+        let want = 1.0 - (2f64.exp() + 1f64.exp()).ln();
+        assert!((choice_logprob(&logits, 1, &|i| i <= 1) - want).abs() < 1e-9);
+        assert_eq!(choice_logprob(&logits, 9, &allowed), f64::NEG_INFINITY);
     }
 
     #[test]

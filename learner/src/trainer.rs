@@ -24,7 +24,8 @@ use tracing::{debug, info_span, warn};
 use crate::error::{LearnerError, Result};
 use crate::example::TrainExample;
 use crate::grammar::{
-    allowed_by_grammar, best_allowed, object_value_spans, response_format_grammar, JsonState, OJson,
+    allowed_by_grammar, best_allowed, choice_logprob, object_value_spans, response_format_grammar,
+    JsonState, OJson,
 };
 use crate::lora::{Adapter, AdapterSelection, LoraConfig, LoraInit};
 use crate::model::{BatchLayout, KvCache, Model};
@@ -170,6 +171,9 @@ pub struct TrainerConfig {
     /// [`TeacherAnswerCounts::masked_fields`]. `None` = every token counts.
     #[serde(default)]
     pub min_field_logprob: Option<f64>,
+    /// How the teacher's log-probability of a value is read for the two floors above.
+    #[serde(default)]
+    pub confidence: Confidence,
     /// With a frozen teacher (`teacher_ema_rate = 0`): how many examples' teacher work to keep
     /// for replay — the teacher's own answer ([`DistillTarget::Teacher`]), or the edit and the
     /// teacher's pass over the logged answer ([`DistillTarget::Edit`] against the control
@@ -233,6 +237,25 @@ pub enum DistillTarget {
     /// answer of learning from language feedback (Scheurer et al. 2023), made by the model's
     /// own hindsight teacher.
     Edit,
+}
+
+/// How the teacher's confidence in a value of its target is measured
+/// ([`TrainerConfig::min_target_logprob`], [`TrainerConfig::min_field_logprob`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Confidence {
+    /// The log-probability of the value's tokens over the whole vocabulary. Under a grammar
+    /// that allows only a few values it also counts the mass the teacher puts on tokens the
+    /// grammar forbids (other spellings, prose), so it is low (−7 and below on the simulated
+    /// tickets' critiques) even for a value the teacher clearly prefers among the allowed ones.
+    #[default]
+    Vocabulary,
+    /// The log-probability of each of the teacher's decoding choices renormalised over the
+    /// tokens the grammar allowed at that step ([`crate::grammar::choice_logprob`]): the
+    /// probability of the decision among the values it could have taken (a token the grammar
+    /// forces counts 0). Read from the decoding itself, so only for
+    /// [`DistillTarget::Teacher`]; log(1/2) then means "this value against all the others".
+    Decision,
 }
 
 fn default_teacher_answer_max_tokens() -> usize {
@@ -319,6 +342,7 @@ impl Default for TrainerConfig {
             teacher_contrast: 0.0,
             min_target_logprob: None,
             min_field_logprob: None,
+            confidence: Confidence::default(),
             teacher_cache_examples: default_teacher_cache_examples(),
             base_cache_examples: default_base_cache_examples(),
         }
@@ -373,6 +397,13 @@ impl TrainerConfig {
                     "{name} must be a finite number <= 0 (a log-probability)"
                 )));
             }
+        }
+        if self.confidence == Confidence::Decision && self.distill_target != DistillTarget::Teacher
+        {
+            return Err(bad(
+                "confidence = \"decision\" needs distill_target = \"teacher\" (only the \
+                 teacher's own decoded answer has decisions to read)",
+            ));
         }
         Ok(())
     }
@@ -493,6 +524,9 @@ pub struct TeacherDecoding {
 struct TeacherAnswer {
     ids: Vec<u32>,
     logits: Tensor,
+    /// For a decoded answer: per token, its log-probability among the tokens the decoding
+    /// allowed at that step ([`choice_logprob`]); `None` for a target the teacher was given.
+    choices: Option<Vec<f64>>,
 }
 
 impl TeacherAnswer {
@@ -508,8 +542,9 @@ impl TeacherAnswer {
 /// of `lps` (one per token) over the field value's tokens. Their sum is the joint
 /// log-probability [`TrainerConfig::min_target_logprob`] is compared with.
 fn value_confidence(dec: &TeacherDecoding, ids: &[u32], lps: &[f64]) -> Vec<(String, f64)> {
-    let (text, tokens) = answer_text(dec, ids);
-    object_value_spans(&text).map_or_else(Vec::new, |fields| field_sums(&fields, &tokens, lps))
+    answer_fields(dec, ids)
+        .1
+        .map_or_else(Vec::new, |fields| field_sums(&fields, lps))
 }
 
 /// What [`DistillTarget::Edit`] made of one logged answer ([`Trainer::edit_preview`]).
@@ -561,23 +596,44 @@ fn answer_text(dec: &TeacherDecoding, ids: &[u32]) -> (String, Vec<std::ops::Ran
     (text, spans)
 }
 
-/// Per field of `fields`: the sum of `values` over the tokens (byte ranges `tokens`, in
-/// step with `values`) that overlap the field's value.
-fn field_sums(
-    fields: &[(String, std::ops::Range<usize>)],
-    tokens: &[std::ops::Range<usize>],
-    values: &[f64],
-) -> Vec<(String, f64)> {
+/// One top-level field of a JSON-object answer.
+struct AnswerField {
+    key: String,
+    /// The value's byte range in the answer's text.
+    value: std::ops::Range<usize>,
+    /// The answer's tokens (indices) that overlap the value.
+    tokens: Vec<usize>,
+}
+
+/// The text of `ids` and its top-level fields, each with its value's tokens; `None` for an
+/// answer that is not a JSON object. The one place a field's value is mapped to tokens: the
+/// edit's shifts, the per-field confidence and the field mask all sum or mask over these.
+fn answer_fields(dec: &TeacherDecoding, ids: &[u32]) -> (String, Option<Vec<AnswerField>>) {
+    let (text, spans) = answer_text(dec, ids);
+    let fields = object_value_spans(&text).map(|fields| {
+        fields
+            .into_iter()
+            .map(|(key, value)| {
+                let tokens = spans
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, tok)| tok.start < value.end && tok.end > value.start)
+                    .map(|(i, _)| i)
+                    .collect();
+                AnswerField { key, value, tokens }
+            })
+            .collect()
+    });
+    (text, fields)
+}
+
+/// Per field: the sum of `values` (one per token of the answer) over its value's tokens.
+fn field_sums(fields: &[AnswerField], values: &[f64]) -> Vec<(String, f64)> {
     fields
         .iter()
-        .map(|(key, value)| {
-            let sum = tokens
-                .iter()
-                .zip(values)
-                .filter(|(tok, _)| tok.start < value.end && tok.end > value.start)
-                .map(|(_, x)| x)
-                .sum();
-            (key.clone(), sum)
+        .map(|f| {
+            let sum = f.tokens.iter().filter_map(|&i| values.get(i)).sum();
+            (f.key.clone(), sum)
         })
         .collect()
 }
@@ -591,27 +647,18 @@ fn field_mask(
     per_field: &[(String, f64)],
     floor: f64,
 ) -> Option<(Vec<f32>, usize)> {
-    let (text, tokens) = answer_text(dec, ids);
-    let fields = object_value_spans(&text)?;
-    let doubtful: Vec<&std::ops::Range<usize>> = fields
-        .iter()
-        .filter(|(key, _)| per_field.iter().any(|(k, lp)| k == key && *lp < floor))
-        .map(|(_, span)| span)
-        .collect();
-    let weights = tokens
-        .iter()
-        .map(|tok| {
-            let masked = doubtful
-                .iter()
-                .any(|v| tok.start < v.end && tok.end > v.start);
-            if masked {
-                0.0
-            } else {
-                1.0
+    let fields = answer_fields(dec, ids).1?;
+    let mut weights = vec![1.0; ids.len()];
+    let mut masked = 0;
+    for f in &fields {
+        if per_field.iter().any(|(k, lp)| *k == f.key && *lp < floor) {
+            masked += 1;
+            for &i in &f.tokens {
+                weights[i] = 0.0;
             }
-        })
-        .collect();
-    Some((weights, doubtful.len()))
+        }
+    }
+    Some((weights, masked))
 }
 
 /// An edit and the teacher's spelling of it (the distillation target).
@@ -1121,6 +1168,7 @@ impl Trainer {
                 return Ok(Some(TeacherAnswer {
                     logits: Tensor::cat(&rows, 0)?,
                     ids,
+                    choices: None,
                 }));
             }
             last = Some(id);
@@ -1153,21 +1201,35 @@ impl Trainer {
         let alpha = self.cfg.teacher_contrast;
         let control = control.filter(|_| alpha > 0.0).map(|c| (c, alpha));
         let mut state = grammar.as_ref().map(JsonState::new);
-        self.teacher_decode(
+        let mut choices = Vec::new();
+        let answer = self.teacher_decode(
             prompts,
             tctx,
             control,
             dec.end_of_turn,
             |row| match &mut state {
-                Some(st) if st.finished() => Some(dec.end_of_turn),
+                Some(st) if st.finished() => {
+                    choices.push(0.0);
+                    Some(dec.end_of_turn)
+                }
                 Some(st) => {
-                    let id = best_allowed(row, &allowed_by_grammar(st, &dec.vocab))?;
+                    let allowed = allowed_by_grammar(st, &dec.vocab);
+                    let id = best_allowed(row, &allowed)?;
+                    choices.push(choice_logprob(row, id, &allowed));
                     let text = dec.vocab.get(id as usize)?.as_deref()?;
                     st.feed_str(text).then_some(id)
                 }
-                None => Some(best_allowed(row, &|_| true).unwrap_or(dec.end_of_turn)),
+                None => {
+                    let id = best_allowed(row, &|_| true).unwrap_or(dec.end_of_turn);
+                    choices.push(choice_logprob(row, id, &|_| true));
+                    Some(id)
+                }
             },
-        )
+        )?;
+        Ok(answer.map(|a| TeacherAnswer {
+            choices: Some(choices),
+            ..a
+        }))
     }
 
     /// The greedy answer of the teacher (the EMA policy) after `context`, under the grammar of
@@ -1233,6 +1295,7 @@ impl Trainer {
         Ok(Some(TeacherAnswer {
             logits: pass.logits,
             ids,
+            choices: None,
         }))
     }
 
@@ -1296,8 +1359,8 @@ impl Trainer {
         counts: &mut TeacherAnswerCounts,
     ) -> Result<EditOutcome> {
         let dec = self.decoding()?;
-        // The logged answer's text and each token's byte range in it.
-        let (logged, token_spans) = answer_text(dec, &ex.answer_ids);
+        // The logged answer's text and its fields.
+        let (logged, fields) = answer_fields(dec, &ex.answer_ids);
         let mut out = EditOutcome {
             preview: EditPreview {
                 logged: logged.clone(),
@@ -1305,7 +1368,7 @@ impl Trainer {
             },
             target: None,
         };
-        let Some(fields) = object_value_spans(&logged) else {
+        let Some(fields) = fields else {
             return Ok(out);
         };
         let gaps: Vec<f64> = t_lp
@@ -1313,7 +1376,7 @@ impl Trainer {
             .zip(r_lp)
             .map(|(t, r)| f64::from(*t) - f64::from(*r))
             .collect();
-        out.preview.shifts = field_sums(&fields, &token_spans, &gaps);
+        out.preview.shifts = field_sums(&fields, &gaps);
         debug!(
             record = %ex.record_id,
             logged = %logged,
@@ -1321,13 +1384,13 @@ impl Trainer {
             feedback = ex.feedback_text.as_deref().unwrap_or(""),
             "How the feedback shifts each logged field (teacher minus reference, nats)."
         );
-        let against: Vec<&(String, std::ops::Range<usize>)> = fields
+        let against: Vec<&AnswerField> = fields
             .iter()
             .zip(&out.preview.shifts)
             .filter(|(_, (_, shift))| *shift < -self.cfg.edit_margin_nats)
             .map(|(field, _)| field)
             .collect();
-        out.preview.flagged = against.iter().map(|(k, _)| k.clone()).collect();
+        out.preview.flagged = against.iter().map(|f| f.key.clone()).collect();
         if against.is_empty() {
             return Ok(out);
         }
@@ -1349,7 +1412,7 @@ impl Trainer {
             return Ok(out);
         };
         let (mut target, mut at, mut edited) = (String::new(), 0, 0);
-        for (key, value) in against {
+        for AnswerField { key, value, .. } in against {
             let Some((_, own_value)) = own_fields.iter().find(|(k, _)| k == key) else {
                 continue;
             };
@@ -1414,17 +1477,28 @@ impl Trainer {
                 Some(a) => {
                     counts.changed += usize::from(a.ids != ex.answer_ids);
                     let dec = self.decoding()?;
-                    let per_field = value_confidence(dec, &a.ids, &a.logprobs()?);
+                    let fields = answer_fields(dec, &a.ids).1.unwrap_or_default();
+                    let vocabulary = field_sums(&fields, &a.logprobs()?);
+                    let decision = a
+                        .choices
+                        .as_deref()
+                        .map(|c| field_sums(&fields, c))
+                        .unwrap_or_default();
+                    let per_field = match self.cfg.confidence {
+                        Confidence::Vocabulary => &vocabulary,
+                        Confidence::Decision => &decision,
+                    };
                     let joint = per_field.iter().map(|(_, lp)| lp).sum::<f64>();
                     confidence = Some(joint);
-                    weights = self.field_weights(&a.ids, &per_field, &mut counts)?;
+                    weights = self.field_weights(&a.ids, per_field, &mut counts)?;
                     if tracing::enabled!(tracing::Level::DEBUG) {
                         debug!(
                             record = %ex.record_id,
                             logged = %answer_text(dec, &ex.answer_ids).0,
                             own = %answer_text(dec, &a.ids).0,
                             feedback = ex.feedback_text.as_deref().unwrap_or(""),
-                            per_field = ?per_field,
+                            per_field = ?vocabulary,
+                            decision = ?decision,
                             confidence = joint,
                             "The teacher's own answer."
                         );
@@ -2382,6 +2456,59 @@ mod tests {
             before,
             "the step trained"
         );
+    }
+
+    #[test]
+    fn decision_confidence_is_the_values_probability_among_the_allowed_ones() {
+        let (mut tr, ex, tctx, _, _) = teacher_on_guided();
+        tr.cfg.confidence = Confidence::Decision;
+        let work = tr.teacher_work(&tctx, &ex, &[]).unwrap();
+        let own = work.target.clone().unwrap();
+        let confidence = work.confidence.unwrap();
+        let choices = own.choices.clone().unwrap();
+        assert_eq!(choices.len(), own.ids.len());
+        // At the value's token the grammar allows exactly a, b and c (ids 7–9): the choice is
+        // their softmax, from the teacher's logits in a separate full pass.
+        let at = own.ids.iter().position(|id| (7..=9).contains(id)).unwrap();
+        let row: Vec<f32> = teacher_logits(&tr, &tctx, &own.ids)
+            .get(at)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let l = |i: usize| f64::from(row[i]);
+        let want = l(own.ids[at] as usize) - (l(7).exp() + l(8).exp() + l(9).exp()).ln();
+        assert!((choices[at] - want).abs() < 1e-3, "{} vs {want}", choices[at]);
+        // The closing quote and the end of turn are forced: certain choices.
+        assert_eq!(choices[at + 1], 0.0);
+        assert_eq!(choices.last(), Some(&0.0));
+        // The field's confidence sums its value's choices (the quotes and the value): at most
+        // the value token's, and well above the same tokens' log-probability over the whole
+        // 32-token vocabulary.
+        let vocabulary: f64 =
+            value_confidence(tr.decoding().unwrap(), &own.ids, &own.logprobs().unwrap())
+                .iter()
+                .map(|(_, lp)| lp)
+                .sum();
+        assert!(
+            confidence <= choices[at] + 1e-9 && confidence > vocabulary + 0.5,
+            "decision {confidence}, value token {}, vocabulary {vocabulary}",
+            choices[at]
+        );
+        // The floor reads it.
+        tr.cfg.min_target_logprob = Some(confidence + 0.01);
+        let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+        assert_eq!(r.teacher_answers.unwrap().unconfident, 1, "{r:?}");
+        tr.cfg.min_target_logprob = Some(confidence - 0.01);
+        let r = tr.step(std::slice::from_ref(&ex)).unwrap();
+        assert_eq!(r.teacher_answers.unwrap().unconfident, 0, "{r:?}");
+        assert!(r.terms.contains_key("distill"), "{r:?}");
+        // Only a decoded answer has decisions: edits are refused at start-up.
+        let mut cfg = distill_on(DistillTarget::Edit);
+        cfg.confidence = Confidence::Decision;
+        let e = cfg.check().unwrap_err().to_string();
+        assert!(e.contains("decision") && e.contains("teacher"), "{e}");
+        cfg.distill_target = DistillTarget::Teacher;
+        cfg.check().unwrap();
     }
 
     /// [`guided`]'s vocabulary plus `j` (token 10) and a two-field `response_format`
