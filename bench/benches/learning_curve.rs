@@ -55,7 +55,7 @@ use anyhow::Context;
 use clap::ValueEnum;
 use hindsight_bench::env::CritiqueStyle;
 use hindsight_bench::learning::{
-    plot, run_learning, CurvePoint, LearningConfig, LearningReport, Objective,
+    plot, run_learning, CurvePoint, LearningConfig, LearningReport, Objective, HISTORY_EVAL_ITEMS,
 };
 
 fn env<T: FromStr>(name: &str, default: T) -> T {
@@ -258,9 +258,18 @@ async fn run() -> anyhow::Result<()> {
                 percents(&report, |p| p.train_field_accuracy),
             );
         }
+        if report.config.eval_items > HISTORY_EVAL_ITEMS {
+            eprintln!(
+                "[learning_curve] {}: exact match on the first {} held-out tickets (the older runs' set) {}",
+                objective.as_str(),
+                HISTORY_EVAL_ITEMS,
+                percents(&report, |p| Some(p.exact_on_first(HISTORY_EVAL_ITEMS))),
+            );
+        }
         for (what, c) in [
             ("held-out", &report.held_out_vs_base),
             ("trained", &report.trained_vs_base),
+            ("first held-out", &report.history_vs_base),
         ] {
             if let Some(c) = c {
                 eprintln!(

@@ -377,10 +377,51 @@ pub struct CurvePoint {
     /// The same on the trained tickets scored (`train_eval_items`).
     #[serde(default)]
     pub train_prior_margin: Option<f64>,
+    /// Positions (in eval-set order) of the held-out tickets answered exactly right, so any
+    /// prefix of the set can be scored afterwards: the eval set is the first `eval_items`
+    /// tickets of the held-out split, so a longer set starts with every shorter one (older
+    /// files lack it).
+    #[serde(default)]
+    pub passed: Vec<usize>,
     /// Adapter version evaluated (`None` = base).
     pub version: Option<u64>,
     /// Seconds since the run started.
     pub wall_s: f64,
+}
+
+impl CurvePoint {
+    /// Exact match on the first `n` held-out tickets, from [`CurvePoint::passed`].
+    pub fn exact_on_first(&self, n: usize) -> f64 {
+        if n == 0 {
+            return 0.0;
+        }
+        self.passed.iter().filter(|&&i| i < n).count() as f64 / n as f64
+    }
+}
+
+/// Held-out tickets of the runs before 2026-12-05 (the README's history): a run on more
+/// tickets also reports its figures on these, which it starts with.
+pub const HISTORY_EVAL_ITEMS: usize = 20;
+
+/// Positions of the items of `report` that passed every sample.
+fn passed_items(report: &RunReport) -> Vec<usize> {
+    report
+        .items
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o.pass_rate >= 1.0)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// `report` restricted to the first `n` items of `set` (by id), for a paired comparison on
+/// a prefix of the eval set.
+fn first_items(set: &EvalSet, report: &RunReport, n: usize) -> RunReport {
+    let ids: std::collections::HashSet<&str> =
+        set.items.iter().take(n).map(|i| i.id.as_str()).collect();
+    let mut out = report.clone();
+    out.items.retain(|o| ids.contains(o.id.as_str()));
+    out
 }
 
 /// The prompts of the learning runs: single-turn tickets, no rules, guided JSON (the
@@ -585,6 +626,10 @@ pub struct LearningReport {
     /// The same on the scored training tickets (when `train_eval_items` > 0): fit.
     #[serde(default)]
     pub trained_vs_base: Option<Comparison>,
+    /// [`LearningReport::held_out_vs_base`] on the first [`HISTORY_EVAL_ITEMS`] tickets, when
+    /// the run scored more: the figure comparable with the older runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history_vs_base: Option<Comparison>,
 }
 
 impl LearningReport {
@@ -748,6 +793,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             .map(|e| e.0),
         prior_margin: base_margins.held_out,
         train_prior_margin: base_margins.trained,
+        passed: passed_items(&base_report),
         version: None,
         wall_s: started.elapsed().as_secs_f64(),
     }];
@@ -779,6 +825,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             learner: None,
             held_out_vs_base: None,
             trained_vs_base: None,
+            history_vs_base: None,
         });
     }
 
@@ -1032,6 +1079,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
                 .map(|e| e.0),
             prior_margin: margins.held_out,
             train_prior_margin: margins.trained,
+            passed: passed_items(&report),
             version: Some(version),
             wall_s: started.elapsed().as_secs_f64(),
         });
@@ -1062,6 +1110,15 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         ),
         None => (None, None),
     };
+    let history_vs_base = match &last {
+        Some((held_out, _)) if set.items.len() > HISTORY_EVAL_ITEMS => Some(compare_runs(
+            &first_items(&set, &base_report, HISTORY_EVAL_ITEMS),
+            &first_items(&set, held_out, HISTORY_EVAL_ITEMS),
+            RESAMPLES,
+            cfg.seed,
+        )?),
+        _ => None,
+    };
     Ok(LearningReport {
         config: cfg,
         points,
@@ -1079,6 +1136,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         learner: summary.and_then(|s| serde_json::to_value(s).ok()),
         held_out_vs_base,
         trained_vs_base,
+        history_vs_base,
     })
 }
 
@@ -1262,6 +1320,73 @@ mod tests {
         let (rate, n) = beyond_constant(one, &b.answer).unwrap();
         assert!((rate - 1.0 / others as f64).abs() < 1e-12 && n == others);
         assert_eq!(beyond_constant(std::iter::empty(), &b.answer), None);
+    }
+
+    #[test]
+    fn a_longer_eval_set_starts_with_the_shorter_one_and_its_prefix_is_scored_alone() {
+        let world = World::new(0);
+        let options = single_turn(Records::Compact);
+        let short = eval_items(&world, Split::Eval, HISTORY_EVAL_ITEMS, options);
+        let long = eval_items(&world, Split::Eval, 3 * HISTORY_EVAL_ITEMS, options);
+        assert_eq!(short, long[..HISTORY_EVAL_ITEMS]);
+        let set = EvalSet::from_items("e", long).unwrap();
+        // Right on every third ticket: 21 of 60 right, 7 of the first 20.
+        let outcome = |(i, item): (usize, &hindsight_eval::EvalItem)| {
+            let pass = f64::from(u8::from(i % 3 == 0));
+            serde_json::json!({"id": item.id, "scorer": "json_exact", "correct": pass as usize,
+                "pass_rate": pass, "mean_score": pass, "pass_at_k": {}, "samples": []})
+        };
+        let report: RunReport = serde_json::from_value(serde_json::json!({
+            "schema": "x", "endpoint": "x", "model": "m", "adapter_versions": [],
+            "set": {"name": "e", "sha256": set.sha256, "items": set.items.len()},
+            "seed": 0, "samples": 1, "temperature": 0.0, "started_at_ms": 0, "duration_ms": 0,
+            "metrics": {"items": 60, "samples": 60, "exact_match": 0.35, "mean_score": 0.35,
+                "pass_at_k": {}, "unparseable": {}, "request_errors": 0,
+                "tool_calls_per_sample": 0.0, "mean_latency_ms": 0.0},
+            "items": set.items.iter().enumerate().map(outcome).collect::<Vec<_>>(),
+        }))
+        .unwrap();
+        let passed = passed_items(&report);
+        assert_eq!(passed.len(), 20);
+        assert!(passed.iter().all(|i| i % 3 == 0));
+        let point = CurvePoint {
+            events: 0,
+            examples: 0,
+            exact_match: 20.0 / 60.0,
+            field_accuracy: None,
+            train_exact_match: None,
+            train_field_accuracy: None,
+            distinct_answers: None,
+            top_answer_share: None,
+            exact_beyond_constant: None,
+            prior_margin: None,
+            train_prior_margin: None,
+            passed,
+            version: None,
+            wall_s: 0.0,
+        };
+        assert!((point.exact_on_first(HISTORY_EVAL_ITEMS) - 7.0 / 20.0).abs() < 1e-12);
+        assert!((point.exact_on_first(60) - point.exact_match).abs() < 1e-12);
+        let first = first_items(&set, &report, HISTORY_EVAL_ITEMS);
+        assert_eq!(first.items, report.items[..HISTORY_EVAL_ITEMS]);
+        // Against a run right on none of them: +7 of 20, paired.
+        let mut none = report.clone();
+        for o in &mut none.items {
+            o.pass_rate = 0.0;
+        }
+        let c = compare_runs(
+            &first_items(&set, &none, HISTORY_EVAL_ITEMS),
+            &first,
+            1000,
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.items, HISTORY_EVAL_ITEMS);
+        assert!(
+            (c.exact_match.diff - 0.35).abs() < 1e-12,
+            "{:?}",
+            c.exact_match
+        );
     }
 
     #[test]
