@@ -1202,30 +1202,31 @@ impl Trainer {
         let control = control.filter(|_| alpha > 0.0).map(|c| (c, alpha));
         let mut state = grammar.as_ref().map(JsonState::new);
         let mut choices = Vec::new();
-        let answer = self.teacher_decode(
-            prompts,
-            tctx,
-            control,
-            dec.end_of_turn,
-            |row| match &mut state {
-                Some(st) if st.finished() => {
-                    choices.push(0.0);
-                    Some(dec.end_of_turn)
-                }
-                Some(st) => {
-                    let allowed = allowed_by_grammar(st, &dec.vocab);
-                    let id = best_allowed(row, &allowed)?;
-                    choices.push(choice_logprob(row, id, &allowed));
-                    let text = dec.vocab.get(id as usize)?.as_deref()?;
-                    st.feed_str(text).then_some(id)
-                }
-                None => {
-                    let id = best_allowed(row, &|_| true).unwrap_or(dec.end_of_turn);
-                    choices.push(choice_logprob(row, id, &|_| true));
-                    Some(id)
-                }
-            },
-        )?;
+        let answer =
+            self.teacher_decode(
+                prompts,
+                tctx,
+                control,
+                dec.end_of_turn,
+                |row| match &mut state {
+                    Some(st) if st.finished() => {
+                        choices.push(0.0);
+                        Some(dec.end_of_turn)
+                    }
+                    Some(st) => {
+                        let allowed = allowed_by_grammar(st, &dec.vocab);
+                        let id = best_allowed(row, &allowed)?;
+                        choices.push(choice_logprob(row, id, &allowed));
+                        let text = dec.vocab.get(id as usize)?.as_deref()?;
+                        st.feed_str(text).then_some(id)
+                    }
+                    None => {
+                        let id = best_allowed(row, &|_| true).unwrap_or(dec.end_of_turn);
+                        choices.push(choice_logprob(row, id, &|_| true));
+                        Some(id)
+                    }
+                },
+            )?;
         Ok(answer.map(|a| TeacherAnswer {
             choices: Some(choices),
             ..a
@@ -2477,7 +2478,11 @@ mod tests {
             .unwrap();
         let l = |i: usize| f64::from(row[i]);
         let want = l(own.ids[at] as usize) - (l(7).exp() + l(8).exp() + l(9).exp()).ln();
-        assert!((choices[at] - want).abs() < 1e-3, "{} vs {want}", choices[at]);
+        assert!(
+            (choices[at] - want).abs() < 1e-3,
+            "{} vs {want}",
+            choices[at]
+        );
         // The closing quote and the end of turn are forced: certain choices.
         assert_eq!(choices[at + 1], 0.0);
         assert_eq!(choices.last(), Some(&0.0));
