@@ -1159,14 +1159,46 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
         }
         None => false,
     };
-    let root = BitMapBackend::new(path, (1400, 600)).into_drawing_area();
+    // One constant-answer line per world (seed and eval size), not per curve.
+    let mut baselines: Vec<(u64, &ConstantBaseline)> = Vec::new();
+    for r in reports {
+        if let Some(b) = &r.constant_baseline {
+            if !baselines.iter().any(|(seed, _)| *seed == r.config.seed) {
+                baselines.push((r.config.seed, b));
+            }
+        }
+    }
+    // The legend goes under both panels, not inside them: the labels name every setting
+    // that differs from the defaults and are far wider than a panel.
+    let legend: Vec<(Vec<String>, bool, usize)> = reports
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (wrap_label(&r.config.label(), LEGEND_CHARS), false, i))
+        .chain(
+            baselines
+                .iter()
+                .enumerate()
+                .map(|(i, (seed, _))| (vec![format!("constant answer (seed {seed})")], true, i)),
+        )
+        .collect();
+    let legend_lines: usize = legend.iter().map(|(lines, _, _)| lines.len()).sum();
+    let legend_px = if with_text {
+        30 + LEGEND_LINE_PX * legend_lines as u32
+    } else {
+        0
+    };
+    let root = BitMapBackend::new(path, (1400, 600 + legend_px)).into_drawing_area();
     root.fill(&WHITE)?;
     let root = if with_text {
         root.titled(title, ("sans-serif", 22))?
     } else {
         root
     };
-    let (left, right) = root.split_horizontally(700);
+    let (panels_area, legend_area) = root.split_vertically(root.dim_in_pixel().1 - legend_px);
+    let (left, right) = panels_area.split_horizontally(700);
+    let curve_color = |i: usize| Palette99::pick(i).to_rgba();
+    let baseline_style =
+        |i: usize| ShapeStyle::from(BLACK.mix(0.35 + 0.3 * i as f64)).stroke_width(2);
     // Older result files have no field accuracy; their points are left out of that panel.
     type Metric = fn(&CurvePoint) -> Option<f64>;
     type Baseline = fn(&ConstantBaseline) -> f64;
@@ -1184,15 +1216,6 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
             |b| b.field_accuracy,
         ),
     ];
-    // One constant-answer line per world (seed and eval size), not per curve.
-    let mut baselines: Vec<(u64, &ConstantBaseline)> = Vec::new();
-    for r in reports {
-        if let Some(b) = &r.constant_baseline {
-            if !baselines.iter().any(|(seed, _)| *seed == r.config.seed) {
-                baselines.push((r.config.seed, b));
-            }
-        }
-    }
     let max_events = reports
         .iter()
         .flat_map(|r| r.points.iter().map(|p| p.events))
@@ -1227,46 +1250,68 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
                 .draw()?;
         }
         for (i, r) in reports.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
+            let color = curve_color(i);
             let pts: Vec<(u64, f64)> = r
                 .points
                 .iter()
                 .filter_map(|p| metric(p).map(|y| (p.events, y)))
                 .collect();
-            let series = chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?;
-            if with_text {
-                series.label(r.config.label()).legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-                });
-            }
+            chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?;
             chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
         }
-        for (i, (seed, b)) in baselines.iter().enumerate() {
+        for (i, (_, b)) in baselines.iter().enumerate() {
             let y = baseline(b);
-            let style = BLACK.mix(0.35 + 0.3 * i as f64).stroke_width(2);
-            let series = chart.draw_series(DashedLineSeries::new(
+            chart.draw_series(DashedLineSeries::new(
                 [(0, y), (max_events, y)],
                 10,
                 6,
-                style,
+                baseline_style(i),
             ))?;
-            if with_text {
-                series
-                    .label(format!("constant answer (seed {seed})"))
-                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
-            }
         }
-        if with_text {
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .position(SeriesLabelPosition::UpperLeft)
-                .draw()?;
+    }
+    if with_text {
+        let mut y = 10i32;
+        for (lines, is_baseline, i) in &legend {
+            let style = if *is_baseline {
+                baseline_style(*i)
+            } else {
+                curve_color(*i).stroke_width(2)
+            };
+            let mid = y + LEGEND_LINE_PX as i32 / 2 - 2;
+            legend_area.draw(&PathElement::new(vec![(30, mid), (60, mid)], style))?;
+            for line in lines {
+                legend_area.draw(&Text::new(line.clone(), (70, y), ("sans-serif", 14)))?;
+                y += LEGEND_LINE_PX as i32;
+            }
         }
     }
     root.present()?;
     Ok(())
+}
+
+/// Characters of a legend line before it wraps (at 14 px over the plot's width).
+const LEGEND_CHARS: usize = 170;
+/// Height of a legend line, pixels.
+const LEGEND_LINE_PX: u32 = 18;
+
+/// `label` in lines of at most `width` characters, broken after the commas between its
+/// settings (a single setting longer than `width` gets a line of its own).
+fn wrap_label(label: &str, width: usize) -> Vec<String> {
+    let mut lines = vec![String::new()];
+    for part in label.split_inclusive(", ") {
+        let last = lines.last_mut().map(|l| l.chars().count()).unwrap_or(0);
+        if last > 0 && last + part.chars().count() > width {
+            lines.push(String::new());
+        }
+        if let Some(l) = lines.last_mut() {
+            l.push_str(if l.is_empty() {
+                part.trim_start()
+            } else {
+                part
+            });
+        }
+    }
+    lines.iter().map(|l| l.trim_end().to_string()).collect()
 }
 
 #[cfg(test)]
@@ -1387,6 +1432,26 @@ mod tests {
             "{:?}",
             c.exact_match
         );
+    }
+
+    #[test]
+    fn legend_labels_wrap_between_settings() {
+        let label = "distill + replay 2, lr 1e-3, compact records, frozen teacher";
+        assert_eq!(wrap_label(label, 200), vec![label]);
+        assert_eq!(
+            wrap_label(label, 30),
+            vec![
+                "distill + replay 2, lr 1e-3,",
+                "compact records,",
+                "frozen teacher"
+            ]
+        );
+        // A setting longer than the width gets its own line rather than being cut.
+        assert_eq!(
+            wrap_label("a, a very long setting, b", 8),
+            vec!["a,", "a very long setting,", "b"]
+        );
+        assert_eq!(wrap_label("", 10), vec![""]);
     }
 
     #[test]
