@@ -705,6 +705,11 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     if cfg.eval_every == 0 || cfg.events == 0 {
         bail!("events and eval_every must be >= 1");
     }
+    // The proxy never fails traffic when Kafka is down (it spills), so without this a run
+    // with the services stopped would wait on episodes that never come.
+    if cfg.objective != Objective::None {
+        services_listen(&cfg.brokers, &cfg.redis_url).await?;
+    }
     std::fs::create_dir_all(&cfg.work_dir)?;
     let started = Instant::now();
     let options = single_turn(cfg.records);
@@ -1140,6 +1145,53 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     })
 }
 
+/// The `host:port` addresses of a broker list and a Redis URL.
+fn service_addrs(brokers: &str, redis_url: &str) -> anyhow::Result<Vec<(&'static str, String)>> {
+    let mut addrs: Vec<(&'static str, String)> = brokers
+        .split(',')
+        .map(str::trim)
+        .filter(|b| !b.is_empty())
+        .map(|b| ("Kafka broker", b.to_string()))
+        .collect();
+    if addrs.is_empty() {
+        bail!("KAFKA_BROKERS is empty");
+    }
+    let rest = redis_url
+        .strip_prefix("redis://")
+        .with_context(|| format!("REDIS_URL {redis_url:?} does not start with redis://"))?;
+    let authority = rest.split('/').next().unwrap_or_default();
+    let host_port = authority.rsplit('@').next().unwrap_or_default();
+    if host_port.is_empty() {
+        bail!("REDIS_URL {redis_url:?} names no host");
+    }
+    let host_port = if host_port.contains(':') {
+        host_port.to_string()
+    } else {
+        format!("{host_port}:6379")
+    };
+    addrs.push(("Redis", host_port));
+    Ok(addrs)
+}
+
+/// Fails with what to run when a broker or Redis does not accept connections.
+async fn services_listen(brokers: &str, redis_url: &str) -> anyhow::Result<()> {
+    for (what, addr) in service_addrs(brokers, redis_url)? {
+        let connect = tokio::net::TcpStream::connect(addr.as_str());
+        match tokio::time::timeout(Duration::from_secs(3), connect).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => bail!(
+                "the {what} at {addr} does not accept connections ({e}): start the local \
+                 services with deploy/services.sh up"
+            ),
+            Err(_) => bail!(
+                "the {what} at {addr} did not answer within 3 s: start the local services \
+                 with deploy/services.sh up"
+            ),
+        }
+    }
+    Ok(())
+}
+
 /// Draws the curves into a PNG with two panels side by side: eval exact match (the issue's
 /// figure) and per-field accuracy (which moves long before whole decisions do), both against
 /// feedback events. Text needs a TrueType font: DejaVu Sans from the system is used when
@@ -1432,6 +1484,48 @@ mod tests {
             "{:?}",
             c.exact_match
         );
+    }
+
+    #[test]
+    fn service_addresses_come_from_the_broker_list_and_the_redis_url() {
+        let addrs = service_addrs("127.0.0.1:9092, k2:9093", "redis://:pw@r:6380/0").unwrap();
+        let addrs: Vec<&str> = addrs.iter().map(|(_, a)| a.as_str()).collect();
+        assert_eq!(addrs, ["127.0.0.1:9092", "k2:9093", "r:6380"]);
+        let (what, addr) = service_addrs("b:1", "redis://localhost")
+            .unwrap()
+            .pop()
+            .unwrap();
+        assert_eq!((what, addr.as_str()), ("Redis", "localhost:6379"));
+        assert!(service_addrs("", "redis://r/").is_err());
+        assert!(service_addrs("b:1", "http://r/").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_service_that_does_not_listen_is_named_with_what_to_run() {
+        // A port just released: nothing listens there.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let listening = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let up = listening.local_addr().unwrap().to_string();
+        let err = services_listen(&format!("127.0.0.1:{port}"), &format!("redis://{up}/"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("Kafka broker") && err.contains("deploy/services.sh up"),
+            "{err}"
+        );
+        let err = services_listen(&up, &format!("redis://127.0.0.1:{port}/"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("Redis"), "{err}");
+        services_listen(&up, &format!("redis://{up}/"))
+            .await
+            .unwrap();
     }
 
     #[test]
