@@ -17,9 +17,11 @@
 //! removes the feedback it names and re-emits the turn. Episode-level feedback applies to every
 //! turn of the episode, including turns that arrive later within the window. Every emission for
 //! a turn supersedes the previous one (the latest record per `turn` is the truth; a turn whose
-//! feedback was all retracted is re-emitted with an empty `feedback` list).
+//! feedback was all retracted is re-emitted with an empty `feedback` list). Turns are emitted
+//! in the order of the record that last touched them (usually their feedback), so a learner
+//! trains in feedback order.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -336,7 +338,9 @@ impl Joiner {
         batch: &[RawRecord],
     ) -> Result<(), FeedbackError> {
         let mut conn = redis.get().await?;
-        let mut affected: BTreeSet<Uuid> = BTreeSet::new();
+        // Every turn a record touched, in record order; emitted in the order of each turn's
+        // last touch (below).
+        let mut affected: Vec<Uuid> = Vec::new();
         let mut outputs: Vec<Output> = Vec::new();
         let interactions_topic = self.log.topics().get(Topic::Interactions).to_string();
         for rec in batch {
@@ -344,7 +348,7 @@ impl Joiner {
                 match rec.decode::<InteractionRecord>() {
                     Ok(i) => {
                         self.apply_interaction(&mut conn, &i).await?;
-                        affected.insert(i.interaction_id);
+                        affected.push(i.interaction_id);
                         self.stats.interactions += 1;
                         metrics::counter!("hindsight_join_interactions_total").increment(1);
                     }
@@ -363,7 +367,7 @@ impl Joiner {
                 }
             }
         }
-        for turn in affected {
+        for turn in in_last_touch_order(affected) {
             if let Some(o) = self.recompute(&mut conn, turn).await? {
                 outputs.push(o);
             }
@@ -776,4 +780,34 @@ fn answer_of(i: &InteractionRecord) -> Option<Value> {
     choice
         .get("text")
         .map(|t| json!({"role": "assistant", "content": t}))
+}
+
+/// `touched` without repeats, each turn at its last position: a batch's episodes come out in
+/// the order their latest record (usually the feedback) arrived, so training order follows
+/// feedback order. Sorting by id instead shuffled the turns of every batch, and batch
+/// boundaries follow timing: two runs of the same traffic trained in different orders.
+fn in_last_touch_order(touched: Vec<Uuid>) -> Vec<Uuid> {
+    let mut seen = HashSet::new();
+    let mut out: Vec<Uuid> = touched
+        .into_iter()
+        .rev()
+        .filter(|t| seen.insert(*t))
+        .collect();
+    out.reverse();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn turns_come_out_once_in_the_order_of_their_last_touch() {
+        let [a, b, c] = [1u128, 2, 3].map(Uuid::from_u128);
+        // Interactions a, b, c, then feedback for c, then a: b (untouched since) first.
+        assert_eq!(in_last_touch_order(vec![a, b, c, c, a]), vec![b, c, a]);
+        // Ids sorted the other way round keep arrival order, not id order.
+        assert_eq!(in_last_touch_order(vec![c, b, a]), vec![c, b, a]);
+        assert!(in_last_touch_order(vec![]).is_empty());
+    }
 }

@@ -480,6 +480,98 @@ async fn inferred_episode_across_three_turns_with_tool_calls() {
     log.shutdown(Duration::from_secs(10)).await;
 }
 
+/// Episodes follow the feedback's order, not the turns' ids: a learner's training order is
+/// then the order its feedback arrived in (and the same on every run of the same traffic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn episodes_come_out_in_the_order_their_feedback_arrived() {
+    let (log, h, lcfg, _spill) = log().await;
+    let now = hindsight_feedback::now_ms();
+    // Time-ordered ids: sorting by id would give creation order.
+    let turns: Vec<InteractionRecord> = (0..6)
+        .map(|k| {
+            interaction(
+                &unique("ep"),
+                EpisodeSource::Header,
+                json!([{"role": "user", "content": format!("q{k}")}]),
+                json!({"role": "assistant", "content": "a"}),
+                now,
+            )
+        })
+        .collect();
+    for i in &turns {
+        put_interaction(&h, i);
+    }
+    // A first score per turn, in creation order, so every turn is joined before the test's
+    // feedback comes (a turn without feedback is not emitted).
+    let scores: Vec<FeedbackRecord> = turns
+        .iter()
+        .map(|i| {
+            feedback(
+                FeedbackTarget::Interaction(i.interaction_id),
+                FeedbackValue::Score(0.5),
+                now,
+            )
+        })
+        .collect();
+    for f in &scores {
+        put_feedback(&h, f);
+    }
+    let group = unique("joiner");
+    let cfg = joiner_config(&group, &format!("{}:", unique("join")));
+    let (stop, task) = spawn_joiner(cfg.clone(), lcfg.clone());
+    let mut eps = Episodes::new(&lcfg);
+    eps.until("every turn with its score", |l| {
+        turns
+            .iter()
+            .zip(&scores)
+            .all(|(i, f)| has(l, i.interaction_id, &[f.feedback_id]))
+    })
+    .await;
+    let _ = stop.send(());
+    task.await.unwrap();
+    // With the joiner stopped, thumbs in an order that is neither creation nor id order, so the
+    // restarted joiner reads them in one batch.
+    let order = [3usize, 0, 5, 1, 4, 2];
+    let fbs: Vec<FeedbackRecord> = order
+        .iter()
+        .map(|&k| {
+            feedback(
+                FeedbackTarget::Interaction(turns[k].interaction_id),
+                FeedbackValue::Thumbs(true),
+                now,
+            )
+        })
+        .collect();
+    for f in &fbs {
+        put_feedback(&h, f);
+    }
+    let first = eps.ids.len();
+    let (stop, task) = spawn_joiner(cfg, lcfg.clone());
+    eps.until("every turn with its feedback", |l| {
+        order.iter().zip(&fbs).all(|(&k, f)| {
+            has(
+                l,
+                turns[k].interaction_id,
+                &[scores[k].feedback_id, f.feedback_id],
+            )
+        })
+    })
+    .await;
+    let emitted: Vec<Uuid> = eps.ids[first..].to_vec();
+    let by_record: HashMap<Uuid, Uuid> =
+        eps.latest.values().map(|e| (e.record_id, e.turn)).collect();
+    let emitted_turns: Vec<Uuid> = emitted
+        .iter()
+        .filter_map(|r| by_record.get(r))
+        .copied()
+        .collect();
+    let want: Vec<Uuid> = order.iter().map(|&k| turns[k].interaction_id).collect();
+    assert_eq!(emitted_turns, want, "episodes in feedback order");
+    let _ = stop.send(());
+    task.await.unwrap();
+    log.shutdown(Duration::from_secs(10)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_and_restarted_mid_stream_loses_nothing_and_duplicates_nothing() {
     let (log, h, lcfg, _spill) = log().await;
