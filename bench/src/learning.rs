@@ -1156,18 +1156,12 @@ fn service_addrs(brokers: &str, redis_url: &str) -> anyhow::Result<Vec<(&'static
     if addrs.is_empty() {
         bail!("KAFKA_BROKERS is empty");
     }
-    let rest = redis_url
-        .strip_prefix("redis://")
-        .with_context(|| format!("REDIS_URL {redis_url:?} does not start with redis://"))?;
-    let authority = rest.split('/').next().unwrap_or_default();
-    let host_port = authority.rsplit('@').next().unwrap_or_default();
-    if host_port.is_empty() {
-        bail!("REDIS_URL {redis_url:?} names no host");
-    }
-    let host_port = if host_port.contains(':') {
-        host_port.to_string()
-    } else {
-        format!("{host_port}:6379")
+    // The redis crate's own URL parsing (defaults, credentials, schemes).
+    let client = redis::Client::open(redis_url)
+        .with_context(|| format!("REDIS_URL {redis_url:?} is not a Redis URL"))?;
+    let host_port = match &client.get_connection_info().addr {
+        redis::ConnectionAddr::Tcp(host, port) => format!("{host}:{port}"),
+        other => bail!("REDIS_URL {redis_url:?}: only plain TCP is checked here, not {other}"),
     };
     addrs.push(("Redis", host_port));
     Ok(addrs)
@@ -1222,18 +1216,21 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
     }
     // The legend goes under both panels, not inside them: the labels name every setting
     // that differs from the defaults and are far wider than a panel.
-    let legend: Vec<(Vec<String>, bool, usize)> = reports
+    let curve_style = |i: usize| Palette99::pick(i).to_rgba().stroke_width(2);
+    let baseline_style =
+        |i: usize| ShapeStyle::from(BLACK.mix(0.35 + 0.3 * i as f64)).stroke_width(2);
+    let legend: Vec<(Vec<String>, ShapeStyle)> = reports
         .iter()
         .enumerate()
-        .map(|(i, r)| (wrap_label(&r.config.label(), LEGEND_CHARS), false, i))
-        .chain(
-            baselines
-                .iter()
-                .enumerate()
-                .map(|(i, (seed, _))| (vec![format!("constant answer (seed {seed})")], true, i)),
-        )
+        .map(|(i, r)| (wrap_label(&r.config.label(), LEGEND_CHARS), curve_style(i)))
+        .chain(baselines.iter().enumerate().map(|(i, (seed, _))| {
+            (
+                vec![format!("constant answer (seed {seed})")],
+                baseline_style(i),
+            )
+        }))
         .collect();
-    let legend_lines: usize = legend.iter().map(|(lines, _, _)| lines.len()).sum();
+    let legend_lines: usize = legend.iter().map(|(lines, _)| lines.len()).sum();
     let legend_px = if with_text {
         30 + LEGEND_LINE_PX * legend_lines as u32
     } else {
@@ -1248,9 +1245,6 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
     };
     let (panels_area, legend_area) = root.split_vertically(root.dim_in_pixel().1 - legend_px);
     let (left, right) = panels_area.split_horizontally(700);
-    let curve_color = |i: usize| Palette99::pick(i).to_rgba();
-    let baseline_style =
-        |i: usize| ShapeStyle::from(BLACK.mix(0.35 + 0.3 * i as f64)).stroke_width(2);
     // Older result files have no field accuracy; their points are left out of that panel.
     type Metric = fn(&CurvePoint) -> Option<f64>;
     type Baseline = fn(&ConstantBaseline) -> f64;
@@ -1302,14 +1296,14 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
                 .draw()?;
         }
         for (i, r) in reports.iter().enumerate() {
-            let color = curve_color(i);
+            let style = curve_style(i);
             let pts: Vec<(u64, f64)> = r
                 .points
                 .iter()
                 .filter_map(|p| metric(p).map(|y| (p.events, y)))
                 .collect();
-            chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?;
-            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
+            chart.draw_series(LineSeries::new(pts.clone(), style))?;
+            chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, style.filled())))?;
         }
         for (i, (_, b)) in baselines.iter().enumerate() {
             let y = baseline(b);
@@ -1323,14 +1317,9 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
     }
     if with_text {
         let mut y = 10i32;
-        for (lines, is_baseline, i) in &legend {
-            let style = if *is_baseline {
-                baseline_style(*i)
-            } else {
-                curve_color(*i).stroke_width(2)
-            };
+        for (lines, style) in &legend {
             let mid = y + LEGEND_LINE_PX as i32 / 2 - 2;
-            legend_area.draw(&PathElement::new(vec![(30, mid), (60, mid)], style))?;
+            legend_area.draw(&PathElement::new(vec![(30, mid), (60, mid)], *style))?;
             for line in lines {
                 legend_area.draw(&Text::new(line.clone(), (70, y), ("sans-serif", 14)))?;
                 y += LEGEND_LINE_PX as i32;
