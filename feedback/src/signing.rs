@@ -144,21 +144,21 @@ mod tests {
             Ok(())
         );
         assert_eq!(
-            verify(&[new.clone()], 300, 100, Some("100"), Some(&sig), body),
+            verify(std::slice::from_ref(&new), 300, 100, Some("100"), Some(&sig), body),
             Err(SignatureError::Mismatch)
         );
         let both = format!("v1=00ff,v1={}", sign(&new, 100, body));
         assert_eq!(
-            verify(&[new.clone()], 300, 100, Some("100"), Some(&both), body),
+            verify(std::slice::from_ref(&new), 300, 100, Some("100"), Some(&both), body),
             Ok(())
         );
         assert_eq!(
-            verify(&[old.clone()], 300, 401, Some("100"), Some(&sig), body),
+            verify(std::slice::from_ref(&old), 300, 401, Some("100"), Some(&sig), body),
             Err(SignatureError::Stale { window_s: 300 })
         );
         assert_eq!(
             verify(
-                &[old.clone()],
+                std::slice::from_ref(&old),
                 300,
                 100,
                 Some("100"),
