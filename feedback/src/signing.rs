@@ -110,6 +110,7 @@ pub fn verify(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::slice::from_ref;
 
     #[test]
     fn secret_never_prints() {
@@ -144,21 +145,21 @@ mod tests {
             Ok(())
         );
         assert_eq!(
-            verify(std::slice::from_ref(&new), 300, 100, Some("100"), Some(&sig), body),
+            verify(from_ref(&new), 300, 100, Some("100"), Some(&sig), body),
             Err(SignatureError::Mismatch)
         );
         let both = format!("v1=00ff,v1={}", sign(&new, 100, body));
         assert_eq!(
-            verify(std::slice::from_ref(&new), 300, 100, Some("100"), Some(&both), body),
+            verify(from_ref(&new), 300, 100, Some("100"), Some(&both), body),
             Ok(())
         );
         assert_eq!(
-            verify(std::slice::from_ref(&old), 300, 401, Some("100"), Some(&sig), body),
+            verify(from_ref(&old), 300, 401, Some("100"), Some(&sig), body),
             Err(SignatureError::Stale { window_s: 300 })
         );
         assert_eq!(
             verify(
-                std::slice::from_ref(&old),
+                from_ref(&old),
                 300,
                 100,
                 Some("100"),
