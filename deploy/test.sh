@@ -17,7 +17,7 @@ export KAFKA_BROKERS="${KAFKA_BROKERS:-127.0.0.1:9092}"
 export REDIS_URL="${REDIS_URL:-redis://127.0.0.1:6379/}"
 export RUST_BACKTRACE=1
 # candle's CPU matmul re-reads /proc/cpuinfo on every call unless RAYON_NUM_THREADS is set (see
-# `settle_cpu_threads` in learner/src/device.rs, which the binaries call first thing). Test
+# `settle_cpu_threads` in model/src/device.rs, which the binaries call first thing). Test
 # binaries have threads from the start, so the count is set here: the physical cores, which is
 # what candle picks itself.
 if [[ -z "${RAYON_NUM_THREADS:-}" ]]; then

@@ -33,9 +33,9 @@ deploy/fetch-model.sh
 MODEL="$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 say "3/7 building hindsight and the environment (first build takes several minutes on 2 cores)"
-cargo build --quiet --bin hindsight && cargo build --quiet -p hindsight-bench --bin hindsight-bench
+cargo build --quiet --bin hindsight && cargo build --quiet -p hindsight-sim
 BIN="$ROOT/target/debug/hindsight"
-ENV_BIN="$ROOT/target/debug/hindsight-bench"
+SIM_BIN="$ROOT/target/debug/hindsight-sim"
 
 mkdir -p .hindsight/logs
 SECRET="${HINDSIGHT_WEBHOOK_SECRET:-local-demo-secret}"
@@ -119,9 +119,9 @@ if [ -n "${HINDSIGHT_UP_FRESH:-}" ]; then
   redis-cli -h 127.0.0.1 -p "${REDIS_PORT:-6379}" --scan --pattern 'hindsight:up:*' | xargs -r redis-cli -h 127.0.0.1 -p "${REDIS_PORT:-6379}" del >/dev/null
 fi
 # The gate's yardstick: held-out tickets the learner never trains on.
-"$ENV_BIN" env eval-set --n "${HINDSIGHT_UP_EVAL_ITEMS:-12}" --out .hindsight/eval.jsonl
+"$SIM_BIN" eval-set --n "${HINDSIGHT_UP_EVAL_ITEMS:-12}" --out .hindsight/eval.jsonl
 cat >.hindsight/learner.toml <<TOML
-# Written by deploy/up.sh. Reference: README, "hindsight learner".
+# Written by deploy/up.sh. Reference: learner/README.md and deploy/learner.example.toml.
 [learner]
 model_path = "$MODEL"
 base_model_name = "SmolLM2-135M-Instruct"
@@ -163,7 +163,7 @@ PIDS+=($LEARNER_PID)
   while true; do
     model=SmolLM2-135M-Instruct
     curl -fsS http://127.0.0.1:8000/v1/models 2>/dev/null | grep -q "\"id\":\"$ADAPTER\"" && model=$ADAPTER
-    HINDSIGHT_FEEDBACK_SECRET="$SECRET" "$ENV_BIN" env run --agent http://127.0.0.1:8080/v1 \
+    HINDSIGHT_FEEDBACK_SECRET="$SECRET" "$SIM_BIN" run --agent http://127.0.0.1:8080/v1 \
       --model "$model" --episodes 8 --first-episode "$first" --critique-style rule-and-value \
       --run-id "up-$(date +%s)" || true
     first=$((first + 8))

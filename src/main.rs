@@ -8,6 +8,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use serde::Deserialize;
 
+mod adapters;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "hindsight",
@@ -52,7 +54,7 @@ enum Command {
     /// candidates and publishes them through the eval gate.
     Learner(LearnerCliArgs),
     /// Read the adapter registry: list, show and diff versions.
-    Adapters(hindsight_learner::registry::AdaptersArgs),
+    Adapters(adapters::AdaptersArgs),
 }
 
 /// `hindsight learner`.
@@ -192,7 +194,7 @@ async fn run_serve(args: hindsight_serve::ServeArgs) -> anyhow::Result<()> {
 }
 
 async fn run_feedback(args: FeedbackArgs) -> anyhow::Result<()> {
-    let file: FeedbackFile = hindsight_proxy::load_toml(
+    let file: FeedbackFile = hindsight_core::load_toml(
         args.config.as_deref(),
         std::env::vars(),
         &["log", "feedback"],
@@ -210,7 +212,7 @@ async fn run_feedback(args: FeedbackArgs) -> anyhow::Result<()> {
 
 async fn run_join(args: JoinArgs) -> anyhow::Result<()> {
     let file: JoinFile =
-        hindsight_proxy::load_toml(args.config.as_deref(), std::env::vars(), &["log", "joiner"])?;
+        hindsight_core::load_toml(args.config.as_deref(), std::env::vars(), &["log", "joiner"])?;
     let stats = hindsight_feedback::run_joiner(
         file.joiner.validate()?,
         file.log.validate()?,
@@ -269,7 +271,7 @@ async fn run_tail(args: TailArgs) -> anyhow::Result<()> {
 
 async fn run_learner(cli: LearnerCliArgs) -> anyhow::Result<()> {
     use hindsight_learner::online::{run_learner, LearnerFile, LearnerSetup};
-    let file: LearnerFile = hindsight_proxy::load_toml(
+    let file: LearnerFile = hindsight_core::load_toml(
         cli.args.config.as_deref(),
         std::env::vars(),
         &["log", "learner", "registry", "publish"],
@@ -307,7 +309,7 @@ async fn run_eval(args: hindsight_eval::EvalArgs) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     // Not `#[tokio::main]`: the thread count is settled before the runtime's threads exist.
-    hindsight_learner::run_settled(run())?
+    hindsight_model::run_settled(run())?
 }
 
 async fn run() -> anyhow::Result<()> {
@@ -321,6 +323,6 @@ async fn run() -> anyhow::Result<()> {
         Command::Eval(args) => run_eval(args).await,
         Command::Tail(args) => run_tail(args).await,
         Command::Learner(args) => run_learner(args).await,
-        Command::Adapters(args) => Ok(hindsight_learner::registry::run_adapters(args).await?),
+        Command::Adapters(args) => adapters::run(args).await,
     }
 }

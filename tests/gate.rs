@@ -8,12 +8,12 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use hindsight_learner::candle_core::{DType, Device};
-use hindsight_learner::publish::{gate_and_publish, GateConfig, GateVerdict, PublishConfig};
-use hindsight_learner::registry::{
+use hindsight_control::publish::{gate_and_publish, GateConfig, GateVerdict, PublishConfig};
+use hindsight_control::registry::{
     sha256_file, NewVersion, OffsetRange, Registry, RegistryConfig, VersionEntry, VersionStatus,
 };
-use hindsight_learner::{load_gguf, Adapter, LoraConfig, LoraInit, ModelConfig};
+use hindsight_model::candle_core::{DType, Device};
+use hindsight_model::{load_gguf, Adapter, LoraConfig, LoraInit, ModelConfig};
 use hindsight_serve::{run_serve, EngineConfig, ServeConfig};
 use serde_json::{json, Value};
 

@@ -666,3 +666,201 @@ dense = 0.0
     );
     tmp.disable_cleanup(false);
 }
+
+/// Writes `n` trainable episodes (questions `first..first + n`) to the episodes topic, in order.
+async fn produce_episodes(log: &LogConfig, first: usize, n: usize) -> Vec<Uuid> {
+    let log = log.clone().validate().unwrap();
+    let topic = log.topics().get(Topic::Episodes).to_string();
+    ensure_topics(
+        &log.client_config(),
+        std::slice::from_ref(&topic),
+        1,
+        1,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let producer: FutureProducer = log
+        .client_config()
+        .set("acks", "all")
+        .set("message.timeout.ms", "20000")
+        .create()
+        .unwrap();
+    let mut ids = Vec::new();
+    for i in first..first + n {
+        let rec = episode(i, true);
+        let payload = serde_json::to_vec(&rec).unwrap();
+        let id = Uuid::now_v7().to_string();
+        producer
+            .send(
+                FutureRecord::to(&topic)
+                    .key(&rec.episode_id)
+                    .payload(&payload)
+                    .headers(rdkafka::message::OwnedHeaders::new().insert(
+                        rdkafka::message::Header {
+                            key: "hindsight-id",
+                            value: Some(&id),
+                        },
+                    )),
+                Duration::from_secs(20),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .unwrap();
+        ids.push(rec.record_id);
+    }
+    ids
+}
+
+/// Deletes the episodes topic and waits until the broker no longer lists it.
+async fn delete_episodes_topic(log: &LogConfig) {
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    let log = log.clone().validate().unwrap();
+    let topic = log.topics().get(Topic::Episodes).to_string();
+    let admin: AdminClient<DefaultClientContext> = log.client_config().create().unwrap();
+    let res = admin
+        .delete_topics(&[&topic], &AdminOptions::new())
+        .await
+        .unwrap();
+    for r in res {
+        r.unwrap_or_else(|(t, e)| panic!("deleting {t}: {e}"));
+    }
+}
+
+fn final_state(checkpoints: &Path) -> LoopState {
+    let latest = std::fs::read_to_string(checkpoints.join("LATEST")).unwrap();
+    serde_json::from_slice(
+        &std::fs::read(checkpoints.join(latest.trim()).join("loop.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+/// Runs the learner to completion (it stops at `max_records`), or fails the test after
+/// [`RUN_TIMEOUT`]; returns whether it exited successfully.
+async fn run_to_end(dirs: &Dirs, run: usize) -> bool {
+    let mut child = spawn(dirs, run);
+    let deadline = Instant::now() + RUN_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status.success();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{}",
+                dirs.failure(run, "did not finish: did it skip the new topic's records?")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A checkpoint outlives its topic (the broker emptied, the topic deleted and created again,
+/// as `deploy/test.sh` then `deploy/up.sh` once did to the demo): the learner must notice that
+/// its saved positions refer to records that no longer exist and, by default, read the new
+/// topic from its beginning, instead of skipping its first records as "already trained".
+/// Both ways of noticing are exercised: the record before the position has another id (the new
+/// topic is longer), and the position is beyond the new topic's end. With
+/// `on_replaced_topic = "refuse"` the learner stops with an error naming the partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn learner_reads_a_replaced_topic_from_its_beginning() {
+    let model = model_path();
+    let tmp = tempfile::tempdir().unwrap();
+    let id = Uuid::now_v7().simple().to_string();
+    let log = LogConfig {
+        brokers: brokers(),
+        topic_prefix: format!("test-replaced-{id}"),
+        spill_dir: tmp.path().join("spill"),
+        ..LogConfig::default()
+    };
+    let dirs = Dirs {
+        root: tmp.path().to_path_buf(),
+        config: tmp.path().join("learner.toml"),
+        run_log: tmp.path().join("run.jsonl"),
+        checkpoints: tmp.path().join("ckpt"),
+    };
+    let write_config = |max_records: usize, policy: &str| {
+        let config = format!(
+            r#"[log]
+brokers = {brokers:?}
+topic_prefix = {prefix:?}
+spill_dir = {spill:?}
+
+[learner]
+model_path = {model:?}
+group_id = "test-replaced-{id}"
+checkpoint_dir = {ckpt:?}
+run_log = {run_log:?}
+max_records = {max_records}
+max_batch_examples = 4
+max_batch_wait_ms = 300
+candidate_every_batches = 0
+candidate_every_ms = 0
+on_replaced_topic = "{policy}"
+
+[learner.trainer]
+kl_penalty = 0.0
+
+[learner.trainer.objectives]
+sft = 1.0
+distill = 0.0
+"#,
+            brokers = log.brokers,
+            prefix = log.topic_prefix,
+            spill = log.spill_dir.to_string_lossy(),
+            model = model.to_string_lossy(),
+            ckpt = dirs.checkpoints.to_string_lossy(),
+            run_log = dirs.run_log.to_string_lossy(),
+        );
+        std::fs::write(&dirs.config, config).unwrap();
+    };
+
+    // Run 1: four episodes, trained and checkpointed at position 4.
+    produce_episodes(&log, 0, 4).await;
+    write_config(4, "restart");
+    assert!(run_to_end(&dirs, 1).await, "{}", dirs.failure(1, "failed"));
+    let first = final_state(&dirs.checkpoints);
+    assert_eq!(
+        (first.examples, first.positions.values().copied().max()),
+        (4, Some(4))
+    );
+    assert_eq!(
+        first.last_ids.len(),
+        1,
+        "the position's record id is saved: {first:?}"
+    );
+
+    // The topic is replaced by a longer one: offset 3 now holds another record.
+    delete_episodes_topic(&log).await;
+    produce_episodes(&log, 100, 6).await;
+    write_config(10, "restart");
+    assert!(run_to_end(&dirs, 2).await, "{}", dirs.failure(2, "failed"));
+    let second = final_state(&dirs.checkpoints);
+    assert_eq!(
+        second.examples - first.examples,
+        6,
+        "every record of the new topic is trained, none skipped"
+    );
+    assert_eq!(second.positions.values().copied().max(), Some(6));
+    let stderr = std::fs::read_to_string(dirs.root.join("run2.stderr")).unwrap();
+    assert!(stderr.contains("does not refer to this topic"), "{stderr}");
+
+    // Replaced again by a shorter one (the position is beyond its end), and refused.
+    delete_episodes_topic(&log).await;
+    produce_episodes(&log, 200, 2).await;
+    write_config(12, "refuse");
+    assert!(
+        !run_to_end(&dirs, 3).await,
+        "{}",
+        dirs.failure(3, "did not refuse")
+    );
+    let stderr = std::fs::read_to_string(dirs.root.join("run3.stderr")).unwrap();
+    assert!(
+        stderr.contains("does not refer to this topic") && stderr.contains("BeyondEnd"),
+        "{stderr}"
+    );
+    // Nothing was trained by the refusing run.
+    assert_eq!(final_state(&dirs.checkpoints).examples, second.examples);
+}

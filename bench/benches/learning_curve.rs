@@ -53,10 +53,10 @@ use std::str::FromStr;
 
 use anyhow::Context;
 use clap::ValueEnum;
-use hindsight_bench::env::CritiqueStyle;
 use hindsight_bench::learning::{
     plot, run_learning, CurvePoint, LearningConfig, LearningReport, Objective, HISTORY_EVAL_ITEMS,
 };
+use hindsight_sim::CritiqueStyle;
 
 fn env<T: FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -77,7 +77,7 @@ fn percents(report: &LearningReport, metric: impl Fn(&CurvePoint) -> Option<f64>
 
 fn main() -> anyhow::Result<()> {
     // Not `#[tokio::main]`: the thread count is settled before the runtime's threads exist.
-    hindsight_learner::run_settled(run())?
+    hindsight_model::run_settled(run())?
 }
 
 async fn run() -> anyhow::Result<()> {

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use hindsight_learner::candle_core::{DType, Device};
-use hindsight_learner::{Adapter, LoraConfig, LoraInit, LoraTarget, ModelBundle};
+use hindsight_model::candle_core::{DType, Device};
+use hindsight_model::{Adapter, LoraConfig, LoraInit, LoraTarget, ModelBundle};
 use hindsight_serve::{run_serve, ServeArgs};
 use serde_json::json;
 
@@ -35,7 +35,7 @@ struct Cli {
 
 fn main() -> Result<()> {
     // Not `#[tokio::main]`: the thread count is settled before the runtime's threads exist.
-    hindsight_learner::run_settled(run())?
+    hindsight_model::run_settled(run())?
 }
 
 async fn run() -> Result<()> {

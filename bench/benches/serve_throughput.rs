@@ -44,7 +44,7 @@ async fn one(http: &reqwest::Client, base: &str, i: usize) -> Result<usize> {
 
 fn main() -> Result<()> {
     // Not `#[tokio::main]`: the thread count is settled before the runtime's threads exist.
-    hindsight_learner::run_settled(run())?
+    hindsight_model::run_settled(run())?
 }
 
 async fn run() -> Result<()> {

@@ -11,9 +11,9 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use hindsight_learner::candle_core::{DType, Device, Tensor, D};
-use hindsight_learner::candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use hindsight_learner::{
+use hindsight_model::candle_core::{DType, Device, Tensor, D};
+use hindsight_model::candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use hindsight_model::{
     encode, generate, ops, Adapter, AdapterSelection, BatchLayout, LoraConfig, LoraInit,
     ModelBundle, Sampling,
 };
@@ -51,7 +51,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     // First, while this is the only thread: it writes the environment.
-    hindsight_learner::settle_cpu_threads();
+    hindsight_model::settle_cpu_threads();
     let path = std::env::var_os("HINDSIGHT_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
@@ -161,7 +161,7 @@ fn main() -> Result<()> {
     );
 
     let mut q8 = model.clone();
-    q8.quantize_for_inference(hindsight_learner::candle_core::quantized::GgmlDType::Q8_0)?;
+    q8.quantize_for_inference(hindsight_model::candle_core::quantized::GgmlDType::Q8_0)?;
     let t0 = Instant::now();
     let out_q = generate(
         &q8,

@@ -5,7 +5,7 @@
 // Run on the GPU machine:
 //   target/release/examples/cuda_check [OUT.json]
 //
-// 1. Every differentiable fused op of `hindsight_learner::ops` (rms_norm, softmax, rope,
+// 1. Every differentiable fused op of `hindsight_model::ops` (rms_norm, softmax, rope,
 //    frozen_linear, cross_entropy_with_head, swiglu): forward values and input gradients on
 //    cuda:0 against the CPU on the same f32 inputs.
 // 2. The SmolLM2-135M-shaped model (random weights unless HINDSIGHT_MODEL names an existing
@@ -28,11 +28,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use hindsight_learner::candle_core::{DType, Device, Tensor, Var, D};
-use hindsight_learner::candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use hindsight_learner::example::TrainExample;
 use hindsight_learner::trainer::{ObjectiveWeights, StepReport, Trainer, TrainerConfig};
-use hindsight_learner::{
+use hindsight_model::candle_core::{DType, Device, Tensor, Var, D};
+use hindsight_model::candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use hindsight_model::{
     decode, encode, generate, ops, Adapter, AdapterSelection, Architecture, BatchLayout,
     ChatTemplate, KvCache, LoraConfig, LoraInit, Model, ModelBundle, ModelConfig, PaddingSide,
     Sampling,
@@ -167,7 +167,7 @@ fn op_parity(
 
 /// `candle_core::Result<Tensor>` under a short name for the closure type above.
 mod candle_core_result {
-    pub type R = hindsight_learner::candle_core::Result<hindsight_learner::candle_core::Tensor>;
+    pub type R = hindsight_model::candle_core::Result<hindsight_model::candle_core::Tensor>;
 }
 
 fn smollm2_135m() -> ModelConfig {
@@ -351,7 +351,7 @@ fn train_example(
 /// template.
 fn paris(
     model: &Model,
-    tokenizer: &hindsight_learner::tokenizers::Tokenizer,
+    tokenizer: &hindsight_model::tokenizers::Tokenizer,
     template: &ChatTemplate,
 ) -> Result<(Vec<u32>, Vec<u32>)> {
     let prompt = template.render(
@@ -472,7 +472,7 @@ where
 
 fn main() -> Result<()> {
     // First, while this is the only thread: it writes the environment.
-    hindsight_learner::settle_cpu_threads();
+    hindsight_model::settle_cpu_threads();
     let out_path = std::env::args()
         .nth(1)
         .map(PathBuf::from)
@@ -887,7 +887,7 @@ fn main() -> Result<()> {
                     None,
                     &AdapterSelection::None,
                 )?;
-                let top = hindsight_learner::argmax_rows(&logits)?;
+                let top = hindsight_model::argmax_rows(&logits)?;
                 top.first() == Some(&answer[i])
             }
             None => false,

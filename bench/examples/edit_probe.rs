@@ -30,21 +30,21 @@
 use std::sync::Arc;
 
 use anyhow::Context;
-use hindsight_bench::env::{
-    critique, messages, resolve, response_format, CritiqueStyle, PromptOptions, Rng, Split, World,
-    DEPARTMENTS, PRIORITIES, REFUNDS,
-};
 use hindsight_feedback::{
     EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue,
     EPISODE_SCHEMA, FEEDBACK_SCHEMA,
 };
-use hindsight_learner::candle_core::{DType, Device};
 use hindsight_learner::example::{build_example, ExampleConfig, TrainExample};
-use hindsight_learner::grammar::{grammar_vocab, object_value_spans, OJson};
 use hindsight_learner::trainer::{
     DistillTarget, EditBaseline, EditPreview, TeacherDecoding, Trainer, TrainerConfig,
 };
-use hindsight_learner::{decode, encode, ModelBundle};
+use hindsight_model::candle_core::{DType, Device};
+use hindsight_model::grammar::{grammar_vocab, object_value_spans, OJson};
+use hindsight_model::{decode, encode, ModelBundle};
+use hindsight_sim::{
+    critique, messages, resolve, response_format, CritiqueStyle, PromptOptions, Rng, Split, World,
+    DEPARTMENTS, PRIORITIES, REFUNDS,
+};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
@@ -116,7 +116,7 @@ fn is_wrong(text: &str, field: &str, expected: &Value) -> bool {
 
 fn main() -> anyhow::Result<()> {
     // First, while this is the only thread: it writes the environment.
-    hindsight_learner::settle_cpu_threads();
+    hindsight_model::settle_cpu_threads();
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(40);
     let wanted = args

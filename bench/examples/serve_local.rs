@@ -11,7 +11,7 @@ struct Cli {
 
 fn main() -> anyhow::Result<()> {
     // Not `#[tokio::main]`: the thread count is settled before the runtime's threads exist.
-    hindsight_learner::run_settled(run())?
+    hindsight_model::run_settled(run())?
 }
 
 async fn run() -> anyhow::Result<()> {

@@ -17,10 +17,10 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use hindsight_bench::learning::Objective;
-use hindsight_learner::candle_core::{DType, Device};
 use hindsight_learner::example::TrainExample;
 use hindsight_learner::trainer::{Trainer, TrainerConfig};
-use hindsight_learner::ModelBundle;
+use hindsight_model::candle_core::{DType, Device};
+use hindsight_model::ModelBundle;
 use rand::{Rng, SeedableRng};
 
 fn peak_rss_mb() -> f64 {
@@ -93,7 +93,7 @@ fn parse() -> Result<Args> {
 
 fn main() -> Result<()> {
     // First, while this is the only thread: it writes the environment.
-    hindsight_learner::settle_cpu_threads();
+    hindsight_model::settle_cpu_threads();
     let a = parse()?;
     if !a.child && !a.trace {
         // One child per length: each peak is its own.

@@ -13,12 +13,10 @@
 //! cargo run --release -p hindsight-bench --example teacher_probe -- [N] [rule-and-value|rule]
 //! ```
 use anyhow::Context;
-use hindsight_bench::env::{
-    critique, messages, resolve, CritiqueStyle, PromptOptions, Rng, Split, World,
-};
 use hindsight_eval::{hindsight_messages, HindsightPlacement};
-use hindsight_learner::candle_core::{DType, Device, Tensor, D};
-use hindsight_learner::{encode, AdapterSelection, BatchLayout, ModelBundle};
+use hindsight_model::candle_core::{DType, Device, Tensor, D};
+use hindsight_model::{encode, AdapterSelection, BatchLayout, ModelBundle};
+use hindsight_sim::{critique, messages, resolve, CritiqueStyle, PromptOptions, Rng, Split, World};
 use serde_json::{json, Value};
 
 /// Log-softmax of the next-token logits after `text`.
@@ -37,13 +35,13 @@ fn next_logprobs(bundle: &ModelBundle, text: &str) -> anyhow::Result<Vec<f32>> {
         .squeeze(0)?
         .narrow(0, len - 1, 1)?
         .squeeze(0)?;
-    let lp = hindsight_learner::candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let lp = hindsight_model::candle_nn::ops::log_softmax(&logits, D::Minus1)?;
     Ok(lp.to_vec1()?)
 }
 
 fn main() -> anyhow::Result<()> {
     // First, while this is the only thread: it writes the environment.
-    hindsight_learner::settle_cpu_threads();
+    hindsight_model::settle_cpu_threads();
     let mut args = std::env::args().skip(1);
     let n: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(20);
     let style = match args.next().as_deref() {

@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use hindsight_control::publish::PublishConfig;
+use hindsight_control::registry::RegistryConfig;
 use hindsight_eval::{
     compare_runs, evaluate, extract_json_answer, score_answer, Comparison, EvalSet,
     HindsightPlacement, RunConfig, RunReport,
@@ -21,18 +23,16 @@ use hindsight_learner::objectives::Divergence;
 use hindsight_learner::online::{
     spawn_learner, LearnerConfig, LearnerControl, LearnerEvent, LearnerSetup, LearnerSummary,
 };
-use hindsight_learner::publish::PublishConfig;
-use hindsight_learner::registry::RegistryConfig;
 use hindsight_learner::trainer::{Confidence, DistillTarget, EditBaseline, ObjectiveWeights};
 use hindsight_proxy::{Extensions, RawConfig};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::env::{
+use crate::prior_probe::{PriorMargins, PriorProbe};
+use hindsight_sim::{
     eval_items, run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, Records,
     Split, UserConfig, World,
 };
-use crate::prior_probe::{PriorMargins, PriorProbe};
 
 /// Which objectives learn from the feedback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]

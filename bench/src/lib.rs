@@ -1,6 +1,6 @@
-//! Benchmarks and the simulated production environment used to measure Hindsight.
+//! Benchmark drivers: the learning-curve harness over the simulated environment (`hindsight-sim`),
+//! an open-loop load generator and the mock upstream the proxy benches run against.
 
-pub mod env;
 pub mod learning;
 pub mod load;
 pub mod mock_upstream;

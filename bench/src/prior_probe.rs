@@ -16,14 +16,14 @@ use std::path::Path;
 
 use anyhow::Context;
 use hindsight_eval::EvalSet;
-use hindsight_learner::candle_core::{DType, Device, Tensor};
 use hindsight_learner::objectives::token_logprobs;
-use hindsight_learner::{
+use hindsight_model::candle_core::{DType, Device, Tensor};
+use hindsight_model::{
     encode, prompt_tools, Adapter, AdapterSelection, BatchLayout, KvCache, ModelBundle,
 };
 use serde_json::Value;
 
-use crate::env::answer_layout;
+use hindsight_sim::answer_layout;
 
 /// One probed ticket: its prompt and the two answers compared.
 #[derive(Debug, Clone)]

@@ -19,11 +19,11 @@
 //! 64 events with the prompt detached 3 of 20; the README's learning-curve section has the runs.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use hindsight_bench::env::{answer_layout, eval_items, Split, World};
 use hindsight_bench::learning::{run_learning, single_turn, LearningConfig, Objective};
-use hindsight_learner::candle_core::{DType, Device, Tensor};
 use hindsight_learner::objectives::token_logprobs;
-use hindsight_learner::{encode, Adapter, AdapterSelection, BatchLayout, ModelBundle};
+use hindsight_model::candle_core::{DType, Device, Tensor};
+use hindsight_model::{encode, Adapter, AdapterSelection, BatchLayout, ModelBundle};
+use hindsight_sim::{answer_layout, eval_items, Split, World};
 
 /// Mean over items of log p(expected answer | prompt) under `adapter` (None = base).
 fn mean_answer_logprob(

@@ -11,9 +11,9 @@ use tracing::debug;
 use crate::error::EvalError;
 
 /// Response header naming the adapter version that served a request (set by the proxy/serve).
-pub const ADAPTER_HEADER: &str = "x-hindsight-adapter";
+pub use hindsight_core::headers::ADAPTER as ADAPTER_HEADER;
 /// Response header carrying the proxy's interaction id.
-pub const INTERACTION_HEADER: &str = "x-hindsight-interaction-id";
+pub use hindsight_core::headers::INTERACTION_ID as INTERACTION_HEADER;
 /// Longest `Retry-After` wait honoured; longer values are clamped.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
 /// Retries of plain transport errors (refused connections): few, so a wrong endpoint fails fast.

@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use futures::stream::{self, StreamExt};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -15,6 +15,7 @@ use crate::error::EvalError;
 use crate::passk::pass_at_k;
 use crate::score::{score_answer, Score, Unparseable};
 use crate::set::{canonical_arguments, EvalItem, EvalSet, ScorerKind};
+use hindsight_core::now_ms;
 
 /// Schema tag of a single run's results.
 pub const RUN_SCHEMA: &str = "hindsight.eval.run/v1";
@@ -229,7 +230,7 @@ pub struct RunReport {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
     /// Start, ms since the Unix epoch.
-    pub started_at_ms: u64,
+    pub started_at_ms: i64,
     /// Wall time of the run, ms.
     pub duration_ms: u64,
     /// Aggregates.
@@ -556,11 +557,4 @@ fn replay_tool(item: &EvalItem, call: &Value) -> String {
         }
         None => json!({"error": format!("unknown tool {name:?}")}).to_string(),
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }

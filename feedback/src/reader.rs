@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Headers, Message};
 use rdkafka::types::RDKafkaErrorCode;
@@ -192,13 +192,7 @@ impl TopicReader {
                 Err(e) => return Err(e.into()),
             }
         };
-        let id = msg.headers().and_then(|h| {
-            h.iter()
-                .find(|hd| hd.key == ID_HEADER)
-                .and_then(|hd| hd.value)
-                .and_then(|v| std::str::from_utf8(v).ok())
-                .and_then(|s| Uuid::parse_str(s).ok())
-        });
+        let id = record_id(&msg);
         Ok(RawRecord {
             topic: msg.topic().to_string(),
             partition: msg.partition(),
@@ -237,6 +231,109 @@ impl TopicReader {
         self.consumer.commit(&tpl, CommitMode::Sync)?;
         Ok(())
     }
+}
+
+/// A saved read position (the next offset to read on one partition), checked against the
+/// topic as the broker holds it now: a checkpoint that outlives its topic (the broker emptied,
+/// the topic deleted and created again) must not skip the new topic's records as "already
+/// read".
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PositionCheck {
+    /// The record before the position is the one the position was saved after.
+    Same,
+    /// Nothing to compare: the position is 0, the record before it was removed by retention,
+    /// or it was saved without the record's id.
+    Unverifiable,
+    /// The partition ends before the position: it was emptied or replaced.
+    BeyondEnd {
+        /// The partition's end (next offset to be written).
+        end: i64,
+    },
+    /// The record before the position has another id: the topic was replaced.
+    Replaced {
+        /// The id saved with the position.
+        expected: Uuid,
+        /// The id found there now (`None`: a record without Hindsight's id header).
+        found: Option<Uuid>,
+    },
+}
+
+impl PositionCheck {
+    /// Whether the position no longer refers to this topic's records.
+    pub fn is_stale(&self) -> bool {
+        matches!(self, Self::BeyondEnd { .. } | Self::Replaced { .. })
+    }
+}
+
+/// Checks a saved position (`next` = the next offset to read, `last_id` = the `hindsight-id` of
+/// the record at `next - 1` when it was read) against `topic`/`partition` now. Blocking (one
+/// watermark query and at most one fetch): call it at start-up, off the async workers.
+pub fn check_position(
+    client: &ClientConfig,
+    topic: &str,
+    partition: i32,
+    next: i64,
+    last_id: Option<Uuid>,
+    timeout: Duration,
+) -> Result<PositionCheck, LogError> {
+    if next <= 0 {
+        return Ok(PositionCheck::Unverifiable);
+    }
+    let mut client = client.clone();
+    client
+        .set("group.id", "hindsight-position-check")
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false");
+    let consumer: BaseConsumer = client.create()?;
+    let (low, high) = consumer.fetch_watermarks(topic, partition, timeout)?;
+    if high < next {
+        return Ok(PositionCheck::BeyondEnd { end: high });
+    }
+    let Some(expected) = last_id else {
+        return Ok(PositionCheck::Unverifiable);
+    };
+    if next - 1 < low {
+        return Ok(PositionCheck::Unverifiable);
+    }
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(topic, partition, Offset::Offset(next - 1))?;
+    consumer.assign(&tpl)?;
+    let deadline = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < deadline {
+        let Some(msg) = consumer.poll(Duration::from_millis(200)) else {
+            continue;
+        };
+        let msg = match msg {
+            Ok(m) => m,
+            Err(KafkaError::MessageConsumption(code)) if transient(code) => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if msg.partition() != partition || msg.offset() != next - 1 {
+            continue;
+        }
+        let found = record_id(&msg);
+        return Ok(if found == Some(expected) {
+            PositionCheck::Same
+        } else {
+            PositionCheck::Replaced { expected, found }
+        });
+    }
+    Err(LogError::Timeout(format!(
+        "reading {topic}/{partition}@{} to check a saved position",
+        next - 1
+    )))
+}
+
+/// The record's `hindsight-id` header, when present and a UUID.
+fn record_id<M: Message>(msg: &M) -> Option<Uuid> {
+    msg.headers().and_then(|h| {
+        h.iter()
+            .find(|hd| hd.key == ID_HEADER)
+            .and_then(|hd| hd.value)
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|s| Uuid::parse_str(s).ok())
+    })
 }
 
 fn transient(code: RDKafkaErrorCode) -> bool {

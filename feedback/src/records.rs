@@ -342,13 +342,7 @@ impl Topic {
     }
 }
 
-/// Milliseconds since the Unix epoch, now.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
+pub use hindsight_core::now_ms;
 
 #[cfg(test)]
 mod tests {

@@ -6,10 +6,10 @@ use hmac::{Hmac, Mac};
 use serde::Deserialize;
 use sha2::Sha256;
 
-/// Header with the unix-seconds timestamp.
-pub const TIMESTAMP_HEADER: &str = "x-hindsight-timestamp";
 /// Header with the signature(s).
-pub const SIGNATURE_HEADER: &str = "x-hindsight-signature";
+pub use hindsight_core::headers::SIGNATURE as SIGNATURE_HEADER;
+/// Header with the unix-seconds timestamp.
+pub use hindsight_core::headers::TIMESTAMP as TIMESTAMP_HEADER;
 
 /// A signing secret. Never printed: `Debug` shows `Secret(***)`.
 #[derive(Clone, Deserialize)]

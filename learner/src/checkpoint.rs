@@ -35,6 +35,11 @@ pub struct LoopState {
     pub examples: u64,
     /// Next offset per `topic/partition`: every record before it is in this checkpoint.
     pub positions: PositionMap,
+    /// Per `topic/partition`, the `hindsight-id` of the record just before its position: what
+    /// the position refers to, so a topic replaced under the checkpoint is noticed
+    /// (`hindsight_feedback::check_position`). Absent in checkpoints written before it existed.
+    #[serde(default)]
+    pub last_ids: BTreeMap<String, Uuid>,
     /// Positions when the last candidate was snapshotted (its offset ranges start here).
     pub candidate_from: PositionMap,
     /// Batches at the last candidate.
@@ -231,10 +236,10 @@ impl CheckpointStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Architecture, ModelConfig};
-    use crate::model::Model;
     use crate::trainer::TrainerConfig;
     use candle_core::{DType, Device};
+    use hindsight_model::Model;
+    use hindsight_model::{Architecture, ModelConfig};
     use std::sync::Arc;
 
     fn trainer() -> Trainer {

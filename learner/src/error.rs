@@ -2,9 +2,14 @@
 
 use std::path::PathBuf;
 
-/// Everything that can go wrong while loading, running or training the model.
+use hindsight_model::ModelError;
+
+/// Everything that can go wrong while building examples, training or checkpointing.
 #[derive(Debug, thiserror::Error)]
 pub enum LearnerError {
+    /// The model core failed (loading, forward pass, adapter shape, tokenizer).
+    #[error(transparent)]
+    Model(#[from] ModelError),
     /// A tensor operation failed (shape mismatch, device error, ...).
     #[error("tensor operation failed: {0}")]
     Candle(#[from] candle_core::Error),
@@ -16,7 +21,7 @@ pub enum LearnerError {
         /// The underlying error.
         source: std::io::Error,
     },
-    /// A JSON document (config, tokenizer, adapter config) is invalid.
+    /// A JSON document (checkpoint, trainer state) is invalid.
     #[error("invalid JSON in {what}: {source}")]
     Json {
         /// What was being parsed.
@@ -24,19 +29,10 @@ pub enum LearnerError {
         /// The underlying error.
         source: serde_json::Error,
     },
-    /// The model files are missing something or contradict each other.
-    #[error("invalid model: {0}")]
-    InvalidModel(String),
-    /// The tokenizer could not be built or failed to encode/decode.
-    #[error("tokenizer error: {0}")]
-    Tokenizer(String),
-    /// The chat template failed to compile or render (including `raise_exception`).
-    #[error("chat template error: {0}")]
-    ChatTemplate(String),
-    /// An adapter is invalid or does not fit the model.
+    /// An adapter snapshot does not fit the trainer's adapter.
     #[error("invalid adapter: {0}")]
     InvalidAdapter(String),
-    /// A caller passed arguments that cannot work (empty batch, unknown adapter, ...).
+    /// A caller passed arguments that cannot work (empty batch, bad config, ...).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 }

@@ -10,10 +10,10 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 use uuid::Uuid;
 
-use crate::chat::{prompt_tools, ChatInputError, ChatTemplate};
 use crate::error::{LearnerError, Result};
-use crate::grammar::{with_answer_key_order, OJson};
-use crate::tokenizer::encode;
+use hindsight_model::encode;
+use hindsight_model::grammar::{with_answer_key_order, OJson};
+use hindsight_model::{prompt_tools, ChatInputError, ChatTemplate};
 
 /// How examples are built.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -251,10 +251,10 @@ pub fn build_example(
     let tools = prompt_tools(rec.context.tools.as_ref(), rec.context.tool_choice.as_ref());
     let render = |msgs: &[Value]| -> Result<Vec<u32>> {
         let text = template.render_chat(msgs, &tools).map_err(|e| match e {
-            ChatInputError::Template(e) => e,
+            ChatInputError::Template(e) => LearnerError::Model(e),
             e => LearnerError::InvalidArgument(e.to_string()),
         })?;
-        encode(tokenizer, &text)
+        Ok(encode(tokenizer, &text)?)
     };
     let context_ids = render(messages).map_err(|_| SkipReason::Unrenderable)?;
 

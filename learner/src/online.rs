@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hindsight_feedback::{
-    ensure_topics, now_ms, EpisodeRecord, LogError, Positions, RawRecord, Topic, TopicReader,
-    ValidatedLogConfig,
+    check_position, ensure_topics, now_ms, EpisodeRecord, LogError, Positions, RawRecord, Topic,
+    TopicReader, ValidatedLogConfig,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -31,17 +31,17 @@ use tracing::{info, info_span, warn, Instrument};
 use uuid::Uuid;
 
 use crate::checkpoint::{CheckpointStore, LoopState};
-use crate::device::{DeviceSpec, WeightDType};
 use crate::error::LearnerError;
 use crate::example::{build_example, ExampleConfig, SkipReason, TrainExample};
-use crate::grammar::grammar_vocab;
-use crate::loader::ModelBundle;
-use crate::lora::Adapter;
-use crate::publish::{gate_and_publish, GateVerdict, PublishConfig, PublishError};
-use crate::registry::{
+use crate::trainer::{DistillTarget, StepReport, TeacherDecoding, Trainer, TrainerConfig};
+use hindsight_control::publish::{gate_and_publish, GateVerdict, PublishConfig, PublishError};
+use hindsight_control::registry::{
     sha256_file, NewVersion, OffsetRange, Registry, RegistryConfig, RegistryError, VersionEntry,
 };
-use crate::trainer::{DistillTarget, StepReport, TeacherDecoding, Trainer, TrainerConfig};
+use hindsight_model::grammar::grammar_vocab;
+use hindsight_model::Adapter;
+use hindsight_model::ModelBundle;
+use hindsight_model::{DeviceSpec, WeightDType};
 
 /// The `[learner]` section.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -72,6 +72,11 @@ pub struct LearnerConfig {
     /// `group` joins `group_id` and reads from its committed offsets.
     #[serde(default)]
     pub assignment: Assignment,
+    /// What to do when the checkpoint's positions no longer refer to the episodes topic (the
+    /// broker was emptied, or the topic deleted and created again): `restart` (default) reads
+    /// the new topic from its beginning, `refuse` stops with an error naming the topic.
+    #[serde(default)]
+    pub on_replaced_topic: ReplacedTopic,
     /// Checkpoint directory.
     #[serde(default = "default_checkpoint_dir")]
     pub checkpoint_dir: PathBuf,
@@ -151,8 +156,21 @@ pub enum Assignment {
     Group,
 }
 
+/// The policy for checkpoint positions that no longer refer to the topic they were saved on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReplacedTopic {
+    /// Forget the stale positions (with a warning naming the partition and why) and read the
+    /// new topic from its beginning; the trained weights are kept.
+    #[default]
+    Restart,
+    /// Stop with an error: an operator decides (move the checkpoint away, or point the
+    /// learner at the old topic).
+    Refuse,
+}
+
 fn default_model_path() -> PathBuf {
-    PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    PathBuf::from(hindsight_model::DEFAULT_MODEL_FILE)
 }
 fn default_adapter_name() -> String {
     "hindsight".into()
@@ -251,6 +269,9 @@ pub enum OnlineError {
     /// The model or a training step failed.
     #[error(transparent)]
     Learner(#[from] LearnerError),
+    /// The model could not be loaded.
+    #[error(transparent)]
+    Model(#[from] hindsight_model::ModelError),
     /// Kafka.
     #[error(transparent)]
     Log(#[from] LogError),
@@ -271,6 +292,17 @@ pub enum OnlineError {
     /// A blocking task panicked or was cancelled.
     #[error("training thread failed: {0}")]
     Thread(String),
+    /// The checkpoint's position does not refer to the topic the broker holds now, and
+    /// `learner.on_replaced_topic = "refuse"`.
+    #[error("the checkpoint's position {position} on {partition} does not refer to this topic ({check}); move the checkpoint away or set learner.on_replaced_topic = \"restart\"")]
+    TopicReplaced {
+        /// `topic/partition`.
+        partition: String,
+        /// The saved next offset.
+        position: i64,
+        /// What the check found.
+        check: String,
+    },
 }
 
 /// Where the learner publishes (both optional: without a registry candidates are not kept).
@@ -347,12 +379,67 @@ fn key(topic: &str, partition: i32) -> String {
     format!("{topic}/{partition}")
 }
 
+/// Checks every saved position against the episodes topic as the broker holds it now and
+/// applies `on_replaced_topic` to the stale ones (see [`ReplacedTopic`]).
+async fn forget_stale_positions(
+    log: &ValidatedLogConfig,
+    cfg: &LearnerConfig,
+    state: &mut LoopState,
+) -> Result<(), OnlineError> {
+    let saved: Vec<(String, i64)> = state
+        .positions
+        .iter()
+        .map(|(k, v)| (k.clone(), *v))
+        .collect();
+    for (key, next) in saved {
+        let Some((topic, partition)) = split_key(&key) else {
+            continue;
+        };
+        let last_id = state.last_ids.get(&key).copied();
+        let client = log.client_config();
+        let check = {
+            let topic = topic.clone();
+            tokio::task::spawn_blocking(move || {
+                check_position(
+                    &client,
+                    &topic,
+                    partition,
+                    next,
+                    last_id,
+                    Duration::from_secs(10),
+                )
+            })
+            .await
+            .map_err(|e| OnlineError::Thread(e.to_string()))??
+        };
+        if !check.is_stale() {
+            continue;
+        }
+        if cfg.on_replaced_topic == ReplacedTopic::Refuse {
+            return Err(OnlineError::TopicReplaced {
+                partition: key,
+                position: next,
+                check: format!("{check:?}"),
+            });
+        }
+        warn!(partition = %key, position = next, ?check, "The checkpoint's position does not refer to this topic (emptied or replaced); reading it from the beginning.");
+        metrics::counter!("hindsight_learner_positions_reset_total").increment(1);
+        state.positions.remove(&key);
+        state.last_ids.remove(&key);
+        state.candidate_from.remove(&key);
+    }
+    Ok(())
+}
+
+/// `topic/partition` back into its parts.
+fn split_key(key: &str) -> Option<(String, i32)> {
+    let (t, p) = key.rsplit_once('/')?;
+    Some((t.to_string(), p.parse().ok()?))
+}
+
 fn to_positions(map: &BTreeMap<String, i64>) -> Positions {
     map.iter()
-        .filter_map(|(k, v)| {
-            let (t, p) = k.rsplit_once('/')?;
-            Some(((t.to_string(), p.parse().ok()?), *v))
-        })
+        .filter_map(|(k, v)| Some((split_key(k)?, *v)))
         .collect()
 }
 
@@ -516,6 +603,7 @@ pub async fn run_learner(
         Duration::from_secs(30),
     )
     .await?;
+    forget_stale_positions(&setup.log, &cfg, &mut state).await?;
     let reader = match cfg.assignment {
         Assignment::Checkpoint => TopicReader::assigned(
             &setup.log,
@@ -562,6 +650,7 @@ pub async fn run_learner(
         let mut batch_ids: Vec<Uuid> = Vec::new();
         let mut cost = 0usize;
         let mut pending = state.positions.clone();
+        let mut pending_ids = state.last_ids.clone();
         let mut records_in_batch = 0u64;
         // The batch wait starts with the batch's first record, not before: after an idle spell
         // the first record would otherwise find the deadline passed and train alone.
@@ -613,6 +702,10 @@ pub async fn run_learner(
             if raw.offset < state.positions.get(&k).copied().unwrap_or(0) {
                 continue; // already in the checkpoint's weights
             }
+            match raw.id {
+                Some(id) => pending_ids.insert(k.clone(), id),
+                None => pending_ids.remove(&k),
+            };
             pending.insert(k, raw.offset + 1);
             records_in_batch += 1;
             let outcome = match raw.decode::<EpisodeRecord>() {
@@ -753,6 +846,7 @@ pub async fn run_learner(
         state.records += records_in_batch;
         let moved = pending != state.positions;
         state.positions = pending;
+        state.last_ids = pending_ids;
 
         // Checkpoint, then commit: the order that makes a crash safe.
         if batches_since_ckpt >= cfg.checkpoint_every_batches
@@ -957,7 +1051,7 @@ fn prepare(
     batch: &[TrainExample],
     cfg: &LearnerConfig,
     tokenizer: &tokenizers::Tokenizer,
-    template: &crate::chat::ChatTemplate,
+    template: &hindsight_model::ChatTemplate,
     end_of_turn: u32,
 ) -> Result<TrainExample, &'static str> {
     // The same record again (in the checkpoint's memory or in the batch being gathered).

@@ -11,7 +11,7 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{LearnerError, Result};
-use crate::lora::Adapter;
+use hindsight_model::Adapter;
 
 /// AdamW hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -201,9 +201,9 @@ impl AdamW {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Architecture, ModelConfig};
-    use crate::lora::{LoraConfig, LoraInit, LoraTarget};
     use candle_core::Device;
+    use hindsight_model::{Architecture, ModelConfig};
+    use hindsight_model::{LoraConfig, LoraInit, LoraTarget};
 
     fn tiny_cfg() -> ModelConfig {
         ModelConfig::tiny(Architecture::Llama)

@@ -23,19 +23,19 @@ use tracing::{debug, info_span, warn};
 
 use crate::error::{LearnerError, Result};
 use crate::example::TrainExample;
-use crate::grammar::{
-    allowed_by_grammar, best_allowed, choice_logprob, object_value_spans, response_format_grammar,
-    JsonState, OJson,
-};
-use crate::lora::{Adapter, AdapterSelection, LoraConfig, LoraInit};
-use crate::model::{BatchLayout, KvCache, Model};
 use crate::objectives::{
     dense_advantages, distill_loss, kl_exact, kto_loss, mean, pg_loss, token_logprobs,
     weighted_mean, Divergence, KtoConfig,
 };
-use crate::ops;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::tokenizer::encode;
+use hindsight_model::encode;
+use hindsight_model::grammar::{
+    allowed_by_grammar, best_allowed, choice_logprob, object_value_spans, response_format_grammar,
+    JsonState, OJson,
+};
+use hindsight_model::ops;
+use hindsight_model::{Adapter, AdapterSelection, LoraConfig, LoraInit};
+use hindsight_model::{BatchLayout, KvCache, Model};
 
 /// Weight of each objective in the mixed loss (0 turns one off).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -251,7 +251,7 @@ pub enum Confidence {
     #[default]
     Vocabulary,
     /// The log-probability of each of the teacher's decoding choices renormalised over the
-    /// tokens the grammar allowed at that step ([`crate::grammar::choice_logprob`]): the
+    /// tokens the grammar allowed at that step ([`hindsight_model::grammar::choice_logprob`]): the
     /// probability of the decision among the values it could have taken (a token the grammar
     /// forces counts 0). Read from the decoding itself, so only for
     /// [`DistillTarget::Teacher`]; log(1/2) then means "this value against all the others".
@@ -505,7 +505,7 @@ impl std::ops::AddAssign for TeacherAnswerCounts {
 #[derive(Debug, Clone)]
 pub struct TeacherDecoding {
     /// Decoded text per token id, `None` for tokens a guided document cannot contain (see
-    /// [`crate::grammar::grammar_vocab`]).
+    /// [`hindsight_model::grammar::grammar_vocab`]).
     pub vocab: Arc<Vec<Option<String>>>,
     /// The end-of-turn token appended after a finished answer (and the stop token of an
     /// unconstrained one).
@@ -1993,7 +1993,7 @@ impl Trainer {
 
     /// A frozen copy of the policy under `name` (a candidate to publish).
     pub fn snapshot_policy(&self, name: &str) -> Result<Adapter> {
-        self.policy.snapshot(name, self.model.config())
+        Ok(self.policy.snapshot(name, self.model.config())?)
     }
 
     /// Writes policy, teacher and optimizer state into `dir` (which must exist):
@@ -2098,7 +2098,7 @@ fn load_into(adapter: &Adapter, path: &Path, dev: &Device) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{Architecture, ModelConfig};
+    use hindsight_model::{Architecture, ModelConfig};
 
     fn model() -> Arc<Model> {
         let mut cfg = ModelConfig::tiny(Architecture::Llama);

@@ -185,7 +185,7 @@ impl RawConfig {
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        load_toml(path, env, &["proxy", "log", "feedback"])
+        hindsight_core::load_toml(path, env, &["proxy", "log", "feedback"])
     }
 
     /// Validates into the typed config.
@@ -274,35 +274,6 @@ impl RawConfig {
     }
 }
 
-/// Reads any config type the way `hindsight` reads all of them: a TOML file (or nothing),
-/// then `HINDSIGHT_<SECTION>__<KEY>` environment overrides for the given `sections` (other
-/// processes' variables in the same environment are left alone), then serde with the path of
-/// any bad or unknown key in the error.
-pub fn load_toml<T: serde::de::DeserializeOwned>(
-    path: Option<&Path>,
-    env: impl IntoIterator<Item = (String, String)>,
-    sections: &[&str],
-) -> Result<T, ConfigError> {
-    let mut table: toml::Table = match path {
-        Some(p) => {
-            let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
-                path: p.display().to_string(),
-                source,
-            })?;
-            toml::from_str(&text).map_err(|e| ConfigError::Parse {
-                path: p.display().to_string(),
-                message: e.to_string(),
-            })?
-        }
-        None => toml::Table::new(),
-    };
-    apply_env_overrides(&mut table, env, sections)?;
-    serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Invalid {
-        key: e.path().to_string(),
-        reason: e.inner().to_string(),
-    })
-}
-
 fn parse_upstream(url: &str) -> Result<Upstream, ConfigError> {
     let bad = |reason: String| ConfigError::Invalid {
         key: "proxy.upstream_url".into(),
@@ -333,50 +304,6 @@ fn parse_upstream(url: &str) -> Result<Upstream, ConfigError> {
         authority,
         base_path,
     })
-}
-
-/// `HINDSIGHT_PROXY__UPSTREAM_URL=http://x` → `proxy.upstream_url = "http://x"`. Values are read
-/// as TOML when they parse (`5000`, `true`, `["a","b"]`), as strings otherwise.
-fn apply_env_overrides(
-    table: &mut toml::Table,
-    env: impl IntoIterator<Item = (String, String)>,
-    sections: &[&str],
-) -> Result<(), ConfigError> {
-    for (name, raw) in env {
-        let Some(rest) = name.strip_prefix("HINDSIGHT_") else {
-            continue;
-        };
-        // `__` separates nesting levels: FEEDBACK__SIGNING__SECRETS -> feedback.signing.secrets
-        let path: Vec<String> = rest.split("__").map(str::to_ascii_lowercase).collect();
-        if path.len() < 2 || !sections.contains(&path[0].as_str()) {
-            continue;
-        }
-        let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(raw.clone()));
-        let (leaf, parents) = path.split_last().unwrap_or((&path[0], &[]));
-        let mut node = &mut *table;
-        for (depth, part) in parents.iter().enumerate() {
-            let entry = node
-                .entry(part.clone())
-                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-            node = match entry {
-                toml::Value::Table(t) => t,
-                _ => {
-                    let key = path[..=depth].join(".");
-                    return Err(ConfigError::Invalid {
-                        reason: format!(
-                            "`{name}` overrides a key inside `{key}`, which is not a table"
-                        ),
-                        key,
-                    });
-                }
-            };
-        }
-        node.insert(leaf.clone(), value);
-    }
-    Ok(())
 }
 
 #[cfg(test)]

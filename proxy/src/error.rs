@@ -27,19 +27,8 @@ impl std::error::Error for BodyError {
     }
 }
 
-/// Start-up configuration problems; each names the offending key.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
-    #[error("config file {path} is not valid TOML: {message}")]
-    Parse { path: String, message: String },
-    #[error("config key `{key}`: {reason}")]
-    Invalid { key: String, reason: String },
-}
+/// Config errors come from the shared loader.
+pub use hindsight_core::ConfigError;
 
 /// What can go wrong while serving one request.
 #[derive(Debug, thiserror::Error)]

@@ -3,10 +3,7 @@
 
 use http::header::{HeaderMap, HeaderName};
 
-pub const INTERACTION_ID: &str = "x-hindsight-interaction-id";
-pub const ADAPTER: &str = "x-hindsight-adapter";
-pub const EPISODE: &str = "x-hindsight-episode";
-pub const NO_LOG: &str = "x-hindsight-no-log";
+pub use hindsight_core::headers::{ADAPTER, EPISODE, INTERACTION_ID, NO_LOG};
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) apply to one connection and are not forwarded.
 const HOP_BY_HOP: &[&str] = &[

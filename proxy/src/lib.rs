@@ -14,7 +14,7 @@ mod telemetry;
 pub use capture::sse::{SseParser, StreamKind, StreamReassembler};
 pub use capture::{EpisodePerCall, EpisodeResolver};
 pub use cli::ProxyArgs;
-pub use config::{load_toml, Config, ProxyConfig, RawConfig, RawProxySection};
+pub use config::{Config, ProxyConfig, RawConfig, RawProxySection};
 pub use error::{ConfigError, ProxyError};
 pub use server::{run, Extensions, ShutdownReport};
 pub use telemetry::prometheus;

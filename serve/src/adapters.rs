@@ -9,11 +9,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 
-use hindsight_learner::candle_core::{DType, Device};
-use hindsight_learner::{Adapter, LoraTarget, ModelConfig};
+use hindsight_model::candle_core::{DType, Device};
+use hindsight_model::{Adapter, LoraTarget, ModelConfig};
 use sha2::{Digest, Sha256};
 
 use crate::error::ServeError;
+use hindsight_core::now_ms;
 
 /// One loaded version of a named adapter.
 #[derive(Debug)]
@@ -29,7 +30,7 @@ pub struct AdapterVersion {
     /// Hex sha256 of `adapter_model.safetensors`.
     pub sha256: String,
     /// Load time, ms since the epoch.
-    pub created_ms: u64,
+    pub created_ms: i64,
 }
 
 impl AdapterVersion {
@@ -96,13 +97,6 @@ pub struct AdapterRegistry {
     base_name: String,
     /// Versions kept per name (the current one included) so pinned requests keep working.
     keep_versions: usize,
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 /// The version written next to the adapter by the publisher, if any: `hindsight.json`
@@ -201,7 +195,7 @@ impl AdapterRegistry {
                             .as_tensor()
                             .to_dtype(DType::F32)
                             .and_then(|x| x.abs()?.sum_all()?.to_scalar::<f32>())
-                            .map_err(hindsight_learner::LearnerError::from)?;
+                            .map_err(hindsight_model::ModelError::from)?;
                         if !s.is_finite() {
                             return Err(ServeError::invalid(
                                 "lora_path",

@@ -10,9 +10,9 @@
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 
-use hindsight_learner::candle_core::{DType, Tensor};
-use hindsight_learner::tokenizers::Tokenizer;
-use hindsight_learner::{AdapterSelection, BatchLayout, KvCache, Model, PaddingSide};
+use hindsight_model::candle_core::{DType, Tensor};
+use hindsight_model::tokenizers::Tokenizer;
+use hindsight_model::{AdapterSelection, BatchLayout, KvCache, Model, PaddingSide};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc::UnboundedSender;
@@ -297,7 +297,7 @@ fn prefill(ctx: &Ctx, jobs: Vec<Job>) -> Result<Group, ServeError> {
     }
     let dev = ctx.model.device();
     let input = Tensor::from_vec(flat, (prompts.len(), t), dev)
-        .map_err(hindsight_learner::LearnerError::from)?;
+        .map_err(hindsight_model::ModelError::from)?;
     let layout = BatchLayout::padded(&lengths, t, PaddingSide::Left)?;
     let mut group = Group {
         rows,
@@ -327,7 +327,7 @@ fn decode_step(ctx: &Ctx, g: &mut Group) -> Result<(), ServeError> {
     let ids: Vec<u32> = g.rows.iter().map(|r| r.last).collect();
     let positions: Vec<u32> = g.rows.iter().map(|r| r.pos as u32 - 1).collect();
     let input = Tensor::from_vec(ids, (b, 1), ctx.model.device())
-        .map_err(hindsight_learner::LearnerError::from)?;
+        .map_err(hindsight_model::ModelError::from)?;
     let layout = BatchLayout::new(b, 1, positions, vec![true; b])?;
     let logits =
         ctx.model
@@ -340,7 +340,7 @@ fn sample_rows(ctx: &Ctx, g: &mut Group, logits: &Tensor) -> Result<(), ServeErr
     let logits: Vec<Vec<f32>> = logits
         .to_dtype(DType::F32)
         .and_then(|l| l.to_vec2())
-        .map_err(hindsight_learner::LearnerError::from)?;
+        .map_err(hindsight_model::ModelError::from)?;
     for (row, l) in g.rows.iter_mut().zip(&logits) {
         if row.done {
             continue;
@@ -390,7 +390,7 @@ fn step_row(ctx: &Ctx, row: &mut Row, logits: &[f32]) {
     }
     // Visible text: everything decoded so far, minus a held-back tail that might still become
     // a stop string or is an incomplete UTF-8 sequence.
-    let text = hindsight_learner::decode(&ctx.tokenizer, &row.generated, true).unwrap_or_default();
+    let text = hindsight_model::decode(&ctx.tokenizer, &row.generated, true).unwrap_or_default();
     let mut stop_at = None;
     for s in &p.stop {
         if s.is_empty() {

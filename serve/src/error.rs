@@ -33,7 +33,7 @@ pub enum ServeError {
     Unavailable,
     /// The model core failed.
     #[error("model error: {0}")]
-    Model(#[from] hindsight_learner::LearnerError),
+    Model(#[from] hindsight_model::ModelError),
     /// Binding or serving the socket failed.
     #[error("I/O error: {0}")]
     Io(#[from] std::io::Error),
@@ -42,9 +42,9 @@ pub enum ServeError {
     Config(String),
 }
 
-impl From<hindsight_learner::grammar::SchemaError> for ServeError {
+impl From<hindsight_model::grammar::SchemaError> for ServeError {
     /// A schema the grammar cannot compile is the request's fault: a 400 on `response_format`.
-    fn from(e: hindsight_learner::grammar::SchemaError) -> Self {
+    fn from(e: hindsight_model::grammar::SchemaError) -> Self {
         Self::invalid("response_format", e.0)
     }
 }
@@ -66,10 +66,8 @@ impl ServeError {
             Self::Conflict(_) => StatusCode::BAD_REQUEST,
             Self::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::Model(hindsight_learner::LearnerError::InvalidArgument(_))
-            | Self::Model(hindsight_learner::LearnerError::ChatTemplate(_)) => {
-                StatusCode::BAD_REQUEST
-            }
+            Self::Model(hindsight_model::ModelError::InvalidArgument(_))
+            | Self::Model(hindsight_model::ModelError::ChatTemplate(_)) => StatusCode::BAD_REQUEST,
             Self::Model(_) | Self::Io(_) | Self::Config(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

@@ -11,8 +11,8 @@ pub use adapters::{AdapterRegistry, AdapterTable, AdapterVersion, LoadRequest};
 pub use engine::EngineConfig;
 pub use error::ServeError;
 /// Guided decoding lives in the model core (the learner decodes the teacher's answers with it).
-pub use hindsight_learner::grammar;
-pub use hindsight_learner::grammar::{compile_schema, grammar_vocab, JsonState};
+pub use hindsight_model::grammar;
+pub use hindsight_model::grammar::{compile_schema, grammar_vocab, JsonState};
 pub use openai::{chat_prompt, parse_body, ChatPrompt, RawRequest, ToolMode};
 pub use server::{
     app, run_serve, serve, ServeArgs, ServeConfig, ServeState, ADAPTER_HEADER, BEHAVIOUR_HEADER,

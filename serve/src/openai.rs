@@ -407,7 +407,7 @@ pub fn response_format_grammar(req: &RawRequest) -> Result<Option<Node>, ServeEr
 /// Renders a chat request into a prompt.
 pub fn chat_prompt(
     req: &RawRequest,
-    template: &hindsight_learner::ChatTemplate,
+    template: &hindsight_model::ChatTemplate,
 ) -> Result<ChatPrompt, ServeError> {
     let messages = match &req.messages {
         Some(Value::Array(m)) if !m.is_empty() => m,
@@ -419,15 +419,15 @@ pub fn chat_prompt(
         }
     };
     let (mode, tool_grammar, tools) = tool_setup(req)?;
-    // The same renderer the learner uses for logged requests (hindsight_learner::ChatTemplate::
+    // The same renderer the learner uses for logged requests (hindsight_model::ChatTemplate::
     // render_chat), so what is trained on is the prompt that was served.
     let text = template
         .render_chat(messages, &tools)
         .map_err(|e| match e {
-            hindsight_learner::ChatInputError::Invalid { field, reason } => {
+            hindsight_model::ChatInputError::Invalid { field, reason } => {
                 ServeError::invalid(&field, reason)
             }
-            hindsight_learner::ChatInputError::Template(e) => e.into(),
+            hindsight_model::ChatInputError::Template(e) => e.into(),
         })?;
     let grammar = match tool_grammar {
         Some(g) => Some(g),

@@ -1,7 +1,7 @@
 //! Picking the next token under temperature, top-p and a grammar constraint, and reporting the
 //! log-probability of the pick under exactly that (renormalised) distribution.
 
-use hindsight_learner::grammar::best_allowed;
+use hindsight_model::grammar::best_allowed;
 use rand::Rng;
 
 /// How to sample one sequence.

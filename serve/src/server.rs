@@ -12,8 +12,8 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use hindsight_learner::tokenizers::Tokenizer;
-use hindsight_learner::{ChatTemplate, DeviceSpec, Model, ModelBundle, WeightDType};
+use hindsight_model::tokenizers::Tokenizer;
+use hindsight_model::{ChatTemplate, DeviceSpec, Model, ModelBundle, WeightDType};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -25,10 +25,10 @@ use crate::error::ServeError;
 use crate::openai::{self, ChoiceOutput, RawRequest, ToolMode};
 use crate::sampler::SamplingParams;
 
-/// Request header asking for behaviour log-probs even when the client did not ask for them.
-pub const BEHAVIOUR_HEADER: &str = "x-hindsight-behaviour";
 /// Response header naming the adapter version (`name@version` or `base`).
-pub const ADAPTER_HEADER: &str = "x-hindsight-adapter";
+pub use hindsight_core::headers::ADAPTER as ADAPTER_HEADER;
+/// Request header asking for behaviour log-probs even when the client did not ask for them.
+pub use hindsight_core::headers::BEHAVIOUR as BEHAVIOUR_HEADER;
 
 /// `hindsight serve` arguments.
 #[derive(Debug, Clone, clap::Args)]
@@ -341,7 +341,7 @@ fn start_job(
     top_logprobs: usize,
 ) -> Result<Started, ServeError> {
     let adapter = resolve_model(state, &req.model)?;
-    let prompt = hindsight_learner::encode(&state.inner.tokenizer, prompt_text)?;
+    let prompt = hindsight_model::encode(&state.inner.tokenizer, prompt_text)?;
     if prompt.is_empty() {
         return Err(ServeError::invalid(
             "prompt",

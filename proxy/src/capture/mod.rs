@@ -15,7 +15,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
 use http::{HeaderValue, Request, Response};
@@ -25,6 +25,7 @@ use uuid::Uuid;
 
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::headers;
+use hindsight_core::now_ms;
 
 pub use encoder::{spawn_encoder, EncoderHandle, EpisodePerCall, EpisodeResolver};
 
@@ -96,13 +97,6 @@ impl<S> tower::Layer<S> for CaptureLayer {
 pub struct Capture<S> {
     inner: S,
     shared: Arc<CaptureShared>,
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }
 
 impl<S> tower::Service<Request<ProxyBody>> for Capture<S>

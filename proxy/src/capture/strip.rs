@@ -18,7 +18,7 @@ use serde_json::Value;
 use super::sse::SseParser;
 use crate::error::{BodyError, ProxyBody};
 
-pub const BEHAVIOUR_HEADER: &str = "x-hindsight-behaviour";
+pub use hindsight_core::headers::BEHAVIOUR as BEHAVIOUR_HEADER;
 
 /// Did the client ask for log-probs itself? (`"logprobs": true` for chat, a number for legacy
 /// completions.) Reads only that key; the rest of the body is skipped without building a tree.

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
-use hindsight_learner::candle_core::Device;
-use hindsight_learner::tokenizers::Tokenizer;
-use hindsight_learner::{
+use hindsight_model::candle_core::Device;
+use hindsight_model::tokenizers::Tokenizer;
+use hindsight_model::{
     Adapter, Architecture, ChatTemplate, GgufTokenizerSpec, LoraConfig, LoraInit, Model,
     ModelBundle, ModelConfig,
 };
@@ -83,7 +83,7 @@ pub fn tiny_bundle() -> ModelBundle {
         model: Model::random(
             config.clone(),
             7,
-            hindsight_learner::candle_core::DType::F32,
+            hindsight_model::candle_core::DType::F32,
             &Device::Cpu,
         )
         .unwrap(),
@@ -190,13 +190,9 @@ pub fn sse_data(text: &str) -> Vec<String> {
         .collect()
 }
 
-/// The real default model: `$HINDSIGHT_MODEL` or `<workspace>/models/SmolLM2-135M-Instruct.Q4_1.gguf`.
+/// The real default model ([`hindsight_model::default_model_path`]), which must exist.
 pub fn default_model_path() -> PathBuf {
-    let p = match std::env::var_os("HINDSIGHT_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-    };
+    let p = hindsight_model::default_model_path();
     assert!(
         p.exists(),
         "default model not found at {} - run deploy/fetch-model.sh first (or set HINDSIGHT_MODEL)",

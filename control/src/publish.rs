@@ -1,0 +1,785 @@
+//! Publishing a registered candidate: load it into the serving endpoints under
+//! `<name>-candidate` (vLLM's adapter API, so `hindsight serve` and vLLM both work), run the
+//! eval gate (`hindsight_eval::evaluate`, candidate against the live version on the same
+//! set, seed and settings), then either reject it (status `rejected`, unloaded) or accept it
+//! (eval results stored; promoted to `<name>` and `live`, or left `candidate` "ready for
+//! rollout").
+//!
+//! Endpoint errors never leave a half-published live version: the registry status changes only
+//! after every endpoint did what the status claims, and a failed promotion is rolled back on
+//! the endpoints that already switched.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use hindsight_eval::{evaluate, EvalError, EvalSet, RunConfig, RunReport};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::registry::{Registry, RegistryError, VersionEntry, VersionStatus};
+use hindsight_core::now_ms;
+
+/// The eval gate's settings.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GateConfig {
+    /// Eval set (JSONL, `hindsight eval` format); held out from training.
+    pub eval_set: PathBuf,
+    /// Evaluate only the first N items.
+    #[serde(default)]
+    pub max_items: Option<usize>,
+    /// Exact-match points (as a fraction: 0.02 = 2 points) the candidate may lose against the
+    /// live version and still pass.
+    #[serde(default = "default_margin")]
+    pub margin: f64,
+    /// Samples per item.
+    #[serde(default = "default_samples")]
+    pub samples: usize,
+    /// Sampling temperature (0 = greedy).
+    #[serde(default)]
+    pub temperature: f64,
+    /// Base seed (sample i uses seed + i), the same for candidate and live.
+    #[serde(default)]
+    pub seed: u64,
+    /// Requests in flight per evaluated model.
+    #[serde(default = "default_concurrency")]
+    pub concurrency: usize,
+    /// `max_tokens` of every eval request.
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// Per-request timeout in milliseconds.
+    #[serde(default = "default_request_timeout_ms")]
+    pub request_timeout_ms: u64,
+}
+
+fn default_margin() -> f64 {
+    0.02
+}
+fn default_samples() -> usize {
+    1
+}
+fn default_concurrency() -> usize {
+    4
+}
+fn default_request_timeout_ms() -> u64 {
+    120_000
+}
+fn default_load_timeout_ms() -> u64 {
+    60_000
+}
+
+impl GateConfig {
+    /// A gate on `eval_set` with the defaults (margin 0.02, 1 greedy sample, 4 in flight,
+    /// 120 s per request).
+    pub fn new(eval_set: impl Into<PathBuf>) -> Self {
+        Self {
+            eval_set: eval_set.into(),
+            max_items: None,
+            margin: default_margin(),
+            samples: default_samples(),
+            temperature: 0.0,
+            seed: 0,
+            concurrency: default_concurrency(),
+            max_tokens: None,
+            request_timeout_ms: default_request_timeout_ms(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), PublishError> {
+        let bad = |m: &str| Err(PublishError::Config(format!("gate: {m}")));
+        if !self.margin.is_finite() || self.margin < 0.0 {
+            return bad("margin must be a finite number >= 0");
+        }
+        if self.samples == 0 || self.concurrency == 0 {
+            return bad("samples and concurrency must be at least 1");
+        }
+        if self.max_items == Some(0) {
+            return bad("max_items must be at least 1");
+        }
+        if !self.temperature.is_finite() || self.temperature < 0.0 {
+            return bad("temperature must be a finite number >= 0");
+        }
+        Ok(())
+    }
+}
+
+/// Where and how candidates are published.
+#[derive(Deserialize, Serialize, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PublishConfig {
+    /// Serving API bases (`http://127.0.0.1:8000/v1`); the gate evaluates on the first.
+    pub endpoints: Vec<String>,
+    /// Bearer token for the endpoints.
+    #[serde(default)]
+    pub api_key: Option<String>,
+    /// The eval gate; `None` publishes without one (tests and benchmarks only).
+    #[serde(default)]
+    pub gate: Option<GateConfig>,
+    /// An accepted candidate goes live at once (until a rollout controller decides instead).
+    #[serde(default)]
+    pub promote: bool,
+    /// Timeout of each adapter load/unload call, in milliseconds.
+    #[serde(default = "default_load_timeout_ms")]
+    pub load_timeout_ms: u64,
+}
+
+impl std::fmt::Debug for PublishConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PublishConfig")
+            .field("endpoints", &self.endpoints)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .field("gate", &self.gate)
+            .field("promote", &self.promote)
+            .field("load_timeout_ms", &self.load_timeout_ms)
+            .finish()
+    }
+}
+
+impl PublishConfig {
+    fn validate(&self) -> Result<(), PublishError> {
+        if self.endpoints.is_empty() {
+            return Err(PublishError::Config("no serving endpoints".into()));
+        }
+        if let Some(e) = self
+            .endpoints
+            .iter()
+            .find(|e| !(e.starts_with("http://") || e.starts_with("https://")))
+        {
+            return Err(PublishError::Config(format!(
+                "endpoint {e:?} is not an http(s) URL"
+            )));
+        }
+        if let Some(g) = &self.gate {
+            g.validate()?;
+        }
+        Ok(())
+    }
+}
+
+/// The gate's decision, with the scores it rests on.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "verdict", rename_all = "snake_case")]
+pub enum GateVerdict {
+    /// The candidate is not worse than live by more than the margin.
+    Accepted {
+        /// Candidate exact match (0..1).
+        candidate: f64,
+        /// Live (or base) exact match.
+        live: f64,
+        /// candidate − live.
+        delta: f64,
+        /// Items evaluated.
+        items: usize,
+    },
+    /// The candidate lost more than the margin.
+    Rejected {
+        /// Candidate exact match (0..1).
+        candidate: f64,
+        /// Live (or base) exact match.
+        live: f64,
+        /// candidate − live.
+        delta: f64,
+        /// Items evaluated.
+        items: usize,
+    },
+}
+
+impl GateVerdict {
+    /// Whether the candidate passed.
+    pub fn accepted(&self) -> bool {
+        matches!(self, GateVerdict::Accepted { .. })
+    }
+
+    /// `accepted` or `rejected` (the metric label).
+    pub fn as_str(&self) -> &'static str {
+        if self.accepted() {
+            "accepted"
+        } else {
+            "rejected"
+        }
+    }
+}
+
+/// What publishing did.
+#[derive(Debug, Clone)]
+pub struct PublishOutcome {
+    /// The entry as the registry now holds it.
+    pub entry: VersionEntry,
+    /// The gate's decision (`None` without a gate).
+    pub verdict: Option<GateVerdict>,
+}
+
+/// Publishing failures. None of them changes the candidate's registry status.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// The registry failed (or the candidate's files no longer match their hashes).
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+    /// The evaluation could not run (bad set, every request failed, ...).
+    #[error("eval gate: {0}")]
+    Eval(#[from] EvalError),
+    /// An endpoint could not be reached.
+    #[error("{endpoint}: {source}")]
+    Http {
+        /// The URL called.
+        endpoint: String,
+        /// The underlying error.
+        source: reqwest::Error,
+    },
+    /// An endpoint answered with an error status.
+    #[error("{endpoint} answered {status}: {body}")]
+    Endpoint {
+        /// The URL called.
+        endpoint: String,
+        /// HTTP status.
+        status: u16,
+        /// Start of the response body.
+        body: String,
+    },
+    /// The version is not a candidate (already published, rejected or retired).
+    #[error("{tag} is {status}, only candidates are published")]
+    NotCandidate {
+        /// `name@version`.
+        tag: String,
+        /// Its status.
+        status: VersionStatus,
+    },
+    /// Invalid settings.
+    #[error("invalid publish config: {0}")]
+    Config(String),
+}
+
+/// The serving name of a name's candidate.
+pub fn candidate_name(name: &str) -> String {
+    format!("{name}-candidate")
+}
+
+fn base(endpoint: &str) -> &str {
+    endpoint.trim_end_matches('/')
+}
+
+async fn post_json(
+    client: &reqwest::Client,
+    url: String,
+    api_key: Option<&str>,
+    body: &Value,
+) -> Result<reqwest::Response, PublishError> {
+    let mut req = client.post(&url).json(body);
+    if let Some(k) = api_key {
+        req = req.bearer_auth(k);
+    }
+    req.send().await.map_err(|source| PublishError::Http {
+        endpoint: url,
+        source,
+    })
+}
+
+async fn error_of(url: String, resp: reqwest::Response) -> PublishError {
+    let status = resp.status().as_u16();
+    let body: String = resp
+        .text()
+        .await
+        .unwrap_or_default()
+        .chars()
+        .take(500)
+        .collect();
+    PublishError::Endpoint {
+        endpoint: url,
+        status,
+        body,
+    }
+}
+
+/// Loads a version into one endpoint as `lora_name` (vLLM's `POST /v1/load_lora_adapter`,
+/// `load_inplace: true`, with the sha256 of `adapter_model.safetensors` so the server refuses
+/// files that changed). The version directory's `hindsight.json` gives `hindsight serve` the
+/// registry's version number.
+pub async fn load_adapter(
+    client: &reqwest::Client,
+    endpoint: &str,
+    api_key: Option<&str>,
+    lora_name: &str,
+    entry: &VersionEntry,
+) -> Result<(), PublishError> {
+    let url = format!("{}/load_lora_adapter", base(endpoint));
+    let mut body = json!({
+        "lora_name": lora_name,
+        "lora_path": entry.path.display().to_string(),
+        "load_inplace": true,
+    });
+    if let Some(sha) = entry.weights_sha256() {
+        body["sha256"] = json!(sha);
+    }
+    let resp = post_json(client, url.clone(), api_key, &body).await?;
+    if !resp.status().is_success() {
+        return Err(error_of(url, resp).await);
+    }
+    tracing::info!(
+        endpoint,
+        lora_name,
+        version = entry.version,
+        "Adapter loaded into serving."
+    );
+    Ok(())
+}
+
+/// Unloads `lora_name` from one endpoint (`POST /v1/unload_lora_adapter`); an adapter that is
+/// not loaded (404) counts as unloaded.
+pub async fn unload_adapter(
+    client: &reqwest::Client,
+    endpoint: &str,
+    api_key: Option<&str>,
+    lora_name: &str,
+) -> Result<(), PublishError> {
+    let url = format!("{}/unload_lora_adapter", base(endpoint));
+    let resp = post_json(
+        client,
+        url.clone(),
+        api_key,
+        &json!({"lora_name": lora_name}),
+    )
+    .await?;
+    if resp.status().is_success() || resp.status() == reqwest::StatusCode::NOT_FOUND {
+        tracing::info!(endpoint, lora_name, "Adapter unloaded from serving.");
+        Ok(())
+    } else {
+        Err(error_of(url, resp).await)
+    }
+}
+
+/// The `data` list of `GET /v1/models`.
+pub async fn served_models(
+    client: &reqwest::Client,
+    endpoint: &str,
+    api_key: Option<&str>,
+) -> Result<Vec<Value>, PublishError> {
+    let url = format!("{}/models", base(endpoint));
+    let mut req = client.get(&url);
+    if let Some(k) = api_key {
+        req = req.bearer_auth(k);
+    }
+    let resp = req.send().await.map_err(|source| PublishError::Http {
+        endpoint: url.clone(),
+        source,
+    })?;
+    if !resp.status().is_success() {
+        return Err(error_of(url, resp).await);
+    }
+    let body: Value = resp.json().await.map_err(|source| PublishError::Http {
+        endpoint: url.clone(),
+        source,
+    })?;
+    Ok(body
+        .get("data")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default())
+}
+
+/// Unloads `lora_name` everywhere, logging (not returning) failures.
+async fn unload_everywhere_best_effort(
+    client: &reqwest::Client,
+    cfg: &PublishConfig,
+    lora_name: &str,
+) {
+    for ep in &cfg.endpoints {
+        if let Err(e) = unload_adapter(client, ep, cfg.api_key.as_deref(), lora_name).await {
+            tracing::warn!(endpoint = %ep, lora_name, error = %e, "Could not unload adapter.");
+        }
+    }
+}
+
+/// Makes every endpoint serve the registry's live version as `<name>`, loading it where it is
+/// missing or (when the server reports versions) another version serves (e.g. after a serving
+/// restart), so the gate compares against what the registry calls live.
+async fn ensure_live_served(
+    client: &reqwest::Client,
+    cfg: &PublishConfig,
+    live: &VersionEntry,
+) -> Result<(), PublishError> {
+    let key = cfg.api_key.as_deref();
+    for ep in &cfg.endpoints {
+        let models = served_models(client, ep, key).await?;
+        let served = models
+            .iter()
+            .find(|m| m.get("id").and_then(Value::as_str) == Some(live.name.as_str()));
+        let ok = served.is_some_and(|m| {
+            m.get("version")
+                .and_then(Value::as_u64)
+                .is_none_or(|v| v == live.version)
+        });
+        if !ok {
+            tracing::warn!(endpoint = %ep, name = %live.name, version = live.version, "Live version not served; loading it.");
+            load_adapter(client, ep, key, &live.name, live).await?;
+        }
+    }
+    Ok(())
+}
+
+/// The base model's name from `/v1/models` (the entry without a parent).
+async fn discover_base(
+    client: &reqwest::Client,
+    cfg: &PublishConfig,
+) -> Result<String, PublishError> {
+    let ep = cfg
+        .endpoints
+        .first()
+        .map(String::as_str)
+        .unwrap_or_default();
+    let models = served_models(client, ep, cfg.api_key.as_deref()).await?;
+    models
+        .iter()
+        .find(|m| m.get("parent").is_none_or(Value::is_null))
+        .and_then(|m| m.get("id").and_then(Value::as_str))
+        .map(str::to_string)
+        .ok_or_else(|| PublishError::Config(format!("{ep}/models lists no base model")))
+}
+
+fn run_summary(r: &RunReport) -> Value {
+    json!({
+        "model": r.model,
+        "exact_match": r.metrics.exact_match,
+        "field_accuracy": r.metrics.field_accuracy,
+        "mean_score": r.metrics.mean_score,
+        "request_errors": r.metrics.request_errors,
+        "unparseable": r.metrics.unparseable,
+        "adapter_versions": r.adapter_versions,
+        "duration_ms": r.duration_ms,
+    })
+}
+
+/// Items the live model passed more often than the candidate, with both answers (first
+/// sample, truncated), so an operator sees what broke.
+fn regressions(cand: &RunReport, live: &RunReport) -> Vec<Value> {
+    const MAX: usize = 10;
+    let text = |o: &hindsight_eval::ItemOutcome| -> String {
+        o.samples
+            .first()
+            .and_then(|s| s.content.as_deref())
+            .unwrap_or("")
+            .chars()
+            .take(200)
+            .collect()
+    };
+    cand.items
+        .iter()
+        .zip(&live.items)
+        .filter(|(c, l)| c.pass_rate < l.pass_rate)
+        .take(MAX)
+        .map(|(c, l)| json!({"id": c.id, "live_answer": text(l), "candidate_answer": text(c)}))
+        .collect()
+}
+
+/// Runs the gate: candidate (`<name>-candidate`) and reference (`live_model`) evaluated at
+/// the same time on the first endpoint, same items, seed and settings.
+async fn run_gate(
+    gate: &GateConfig,
+    cfg: &PublishConfig,
+    entry: &VersionEntry,
+    live_model: &str,
+    live_version: Option<u64>,
+) -> Result<(GateVerdict, Value), PublishError> {
+    let mut set = EvalSet::load(&gate.eval_set)?;
+    if let Some(n) = gate.max_items {
+        set.truncate(n);
+    }
+    let endpoint = cfg.endpoints.first().cloned().unwrap_or_default();
+    let run_cfg = |model: &str| {
+        let mut r = RunConfig::new(endpoint.clone(), model);
+        r.api_key = cfg.api_key.clone();
+        r.samples = gate.samples;
+        r.pass_k = vec![1];
+        r.temperature = gate.temperature;
+        r.seed = gate.seed;
+        r.max_tokens = gate.max_tokens;
+        r.concurrency = gate.concurrency;
+        r.request_timeout_ms = gate.request_timeout_ms;
+        r.progress = false;
+        r
+    };
+    let cand_cfg = run_cfg(&candidate_name(&entry.name));
+    let live_cfg = run_cfg(live_model);
+    let (cand, live) = tokio::join!(evaluate(&set, &cand_cfg), evaluate(&set, &live_cfg));
+    let (cand, live) = (cand?, live?);
+    let (c, l) = (cand.metrics.exact_match, live.metrics.exact_match);
+    let delta = c - l;
+    let items = cand.metrics.items;
+    // A hair of tolerance so equal scores never fail a zero margin through rounding.
+    let verdict = if c + 1e-9 < l - gate.margin {
+        GateVerdict::Rejected {
+            candidate: c,
+            live: l,
+            delta,
+            items,
+        }
+    } else {
+        GateVerdict::Accepted {
+            candidate: c,
+            live: l,
+            delta,
+            items,
+        }
+    };
+    let mut live_json = run_summary(&live);
+    live_json["version"] = json!(live_version);
+    let per_item: Vec<Value> = cand
+        .items
+        .iter()
+        .zip(&live.items)
+        .map(|(c, l)| json!({"id": c.id, "candidate": c.pass_rate, "live": l.pass_rate}))
+        .collect();
+    let eval = json!({
+        "schema": "hindsight.learner.gate/v1",
+        "verdict": verdict.as_str(),
+        "margin": gate.margin,
+        "delta": delta,
+        "items": items,
+        "set": {"name": cand.set.name, "path": cand.set.path, "sha256": cand.set.sha256},
+        "endpoint": endpoint,
+        "seed": gate.seed,
+        "samples": gate.samples,
+        "temperature": gate.temperature,
+        "max_tokens": gate.max_tokens,
+        "candidate": run_summary(&cand),
+        "live": live_json,
+        "per_item": per_item,
+        "regressions": regressions(&cand, &live),
+        "evaluated_at_ms": now_ms(),
+    });
+    Ok((verdict, eval))
+}
+
+/// Gates and publishes a registered candidate:
+/// 1. loads it into every endpoint as `<name>-candidate` (`load_inplace`, with its sha256);
+/// 2. with a gate: evaluates `<name>-candidate` and the live model (`<name>`, made to serve the
+///    registry's live version, or without one the base model: `base_model_name`, or when that
+///    is empty the parentless entry of `/v1/models`) on the same set and seed; the candidate is
+///    rejected when its exact match is below live − margin: unloaded, status `rejected` with
+///    the eval results;
+/// 3. accepted (or no gate): eval results stored; with `promote` it is loaded as `<name>` on
+///    every endpoint, then marked `live` (the previous live version `retired`) and unloaded as
+///    `<name>-candidate`; without `promote` it stays `candidate` with note "ready for rollout"
+///    and stays loaded as `<name>-candidate`.
+///
+/// On an error the registry status is unchanged (a failed promotion is rolled back on the
+/// endpoints that had switched) and the error is returned.
+pub async fn gate_and_publish(
+    reg: &Registry,
+    entry: VersionEntry,
+    cfg: &PublishConfig,
+    base_model_name: &str,
+) -> Result<PublishOutcome, PublishError> {
+    let started = Instant::now();
+    let result = publish_inner(reg, entry, cfg, base_model_name).await;
+    let label = match &result {
+        Ok(PublishOutcome {
+            verdict: Some(v), ..
+        }) => Some(v.as_str()),
+        Ok(_) => None,
+        Err(_) => Some("error"),
+    };
+    if let (Some(label), Some(_)) = (label, &cfg.gate) {
+        metrics::counter!("hindsight_learner_gate_total", "verdict" => label).increment(1);
+        metrics::histogram!("hindsight_learner_gate_duration_seconds")
+            .record(started.elapsed().as_secs_f64());
+    }
+    if let Err(e) = &result {
+        tracing::error!(error = %e, "Publishing failed; registry status unchanged.");
+    }
+    result
+}
+
+async fn publish_inner(
+    reg: &Registry,
+    entry: VersionEntry,
+    cfg: &PublishConfig,
+    base_model_name: &str,
+) -> Result<PublishOutcome, PublishError> {
+    cfg.validate()?;
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(cfg.load_timeout_ms))
+        .build()
+        .map_err(|source| PublishError::Http {
+            endpoint: "client".into(),
+            source,
+        })?;
+    let key = cfg.api_key.as_deref();
+    // The registry's view, not the caller's copy, decides.
+    let entry =
+        reg.get(&entry.name, entry.version)
+            .await?
+            .ok_or_else(|| RegistryError::NotFound {
+                name: entry.name.clone(),
+                version: entry.version,
+            })?;
+    if entry.status != VersionStatus::Candidate {
+        return Err(PublishError::NotCandidate {
+            tag: entry.tag(),
+            status: entry.status,
+        });
+    }
+    reg.verify(&entry).await?;
+    let name = entry.name.clone();
+    let cand_name = candidate_name(&name);
+
+    // 1. The candidate into every endpoint.
+    for (i, ep) in cfg.endpoints.iter().enumerate() {
+        if let Err(e) = load_adapter(&client, ep, key, &cand_name, &entry).await {
+            for done in &cfg.endpoints[..i] {
+                let _ = unload_adapter(&client, done, key, &cand_name).await;
+            }
+            return Err(e);
+        }
+    }
+
+    // 2. The gate.
+    let live = reg.live(&name).await?;
+    let mut verdict = None;
+    let mut eval = None;
+    if let Some(gate) = &cfg.gate {
+        let gated = async {
+            let live_model = match &live {
+                Some(l) => {
+                    ensure_live_served(&client, cfg, l).await?;
+                    name.clone()
+                }
+                None if !base_model_name.is_empty() => base_model_name.to_string(),
+                None => discover_base(&client, cfg).await?,
+            };
+            run_gate(
+                gate,
+                cfg,
+                &entry,
+                &live_model,
+                live.as_ref().map(|l| l.version),
+            )
+            .await
+        }
+        .await;
+        let (v, e) = match gated {
+            Ok(x) => x,
+            Err(err) => {
+                unload_everywhere_best_effort(&client, cfg, &cand_name).await;
+                return Err(err);
+            }
+        };
+        tracing::info!(name = %name, version = entry.version, verdict = v.as_str(), candidate = e["candidate"]["exact_match"].as_f64(), live = e["live"]["exact_match"].as_f64(), live_model = e["live"]["model"].as_str(), margin = gate.margin, "Eval gate decided.");
+        if let GateVerdict::Rejected {
+            candidate, live: l, ..
+        } = v
+        {
+            for ep in &cfg.endpoints {
+                unload_adapter(&client, ep, key, &cand_name).await?;
+            }
+            let note = format!(
+                "rejected by the eval gate: exact match {:.1}% < live {:.1}% − margin {:.1} points",
+                candidate * 100.0,
+                l * 100.0,
+                gate.margin * 100.0
+            );
+            let entry = reg
+                .set_status(
+                    &name,
+                    entry.version,
+                    VersionStatus::Rejected,
+                    Some(e),
+                    Some(note),
+                )
+                .await?;
+            return Ok(PublishOutcome {
+                entry,
+                verdict: Some(v),
+            });
+        }
+        verdict = Some(v);
+        eval = Some(e);
+    }
+
+    // 3. Accepted.
+    if !cfg.promote {
+        let entry = reg
+            .set_status(
+                &name,
+                entry.version,
+                VersionStatus::Candidate,
+                eval,
+                Some("ready for rollout".into()),
+            )
+            .await?;
+        tracing::info!(name = %name, version = entry.version, "Candidate ready for rollout.");
+        return Ok(PublishOutcome { entry, verdict });
+    }
+    for (i, ep) in cfg.endpoints.iter().enumerate() {
+        if let Err(e) = load_adapter(&client, ep, key, &name, &entry).await {
+            for done in &cfg.endpoints[..i] {
+                let undo = match &live {
+                    Some(l) => load_adapter(&client, done, key, &name, l).await,
+                    None => unload_adapter(&client, done, key, &name).await,
+                };
+                if let Err(u) = undo {
+                    tracing::error!(endpoint = %done, name = %name, error = %u, "Could not roll back a partial promotion.");
+                }
+            }
+            unload_everywhere_best_effort(&client, cfg, &cand_name).await;
+            return Err(e);
+        }
+    }
+    let note = match &verdict {
+        Some(GateVerdict::Accepted {
+            candidate, live: l, ..
+        }) => format!(
+            "promoted by the eval gate: exact match {:.1}% vs live {:.1}%",
+            candidate * 100.0,
+            l * 100.0
+        ),
+        _ => "promoted without an eval gate".to_string(),
+    };
+    let entry = reg
+        .set_status(&name, entry.version, VersionStatus::Live, eval, Some(note))
+        .await?;
+    unload_everywhere_best_effort(&client, cfg, &cand_name).await;
+    tracing::info!(name = %name, version = entry.version, previous = ?live.as_ref().map(|l| l.version), "Adapter version live.");
+    Ok(PublishOutcome { entry, verdict })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configs_have_defaults_and_refuse_unknown_fields() {
+        let g: GateConfig = serde_json::from_str(r#"{"eval_set": "eval.jsonl"}"#).unwrap();
+        assert_eq!(g, GateConfig::new("eval.jsonl"));
+        assert!(serde_json::from_str::<GateConfig>(r#"{"eval_set": "x", "margn": 0.1}"#).is_err());
+        let p: PublishConfig = serde_json::from_str(
+            r#"{"endpoints": ["http://127.0.0.1:8000/v1"], "api_key": "sk-secret", "promote": true}"#,
+        )
+        .unwrap();
+        assert!(p.validate().is_ok());
+        assert!(!format!("{p:?}").contains("sk-secret"));
+        let mut bad = p.clone();
+        bad.endpoints.clear();
+        assert!(bad.validate().is_err());
+        bad.endpoints = vec!["127.0.0.1:8000".into()];
+        assert!(bad.validate().is_err());
+        let mut bad = p;
+        bad.gate = Some(GateConfig {
+            margin: -0.1,
+            ..GateConfig::new("x")
+        });
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn verdict_serializes_with_its_tag() {
+        let v = GateVerdict::Rejected {
+            candidate: 0.0,
+            live: 1.0,
+            delta: -1.0,
+            items: 6,
+        };
+        assert_eq!(serde_json::to_value(&v).unwrap()["verdict"], "rejected");
+        assert!(!v.accepted());
+        assert_eq!(candidate_name("support"), "support-candidate");
+    }
+}
