@@ -185,7 +185,7 @@ async fn run_proxy(args: hindsight_proxy::ProxyArgs) -> anyhow::Result<()> {
 }
 
 async fn run_serve(args: hindsight_serve::ServeArgs) -> anyhow::Result<()> {
-    let config = args.validate()?;
+    let config = args.load()?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("binding --listen {}", config.listen))?;
@@ -324,5 +324,46 @@ async fn run() -> anyhow::Result<()> {
         Command::Tail(args) => run_tail(args).await,
         Command::Learner(args) => run_learner(args).await,
         Command::Adapters(args) => adapters::run(args).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// deploy/hindsight.example.toml holds every process's sections; each process reads its
+    /// own from it and ignores the others'.
+    #[test]
+    fn every_process_reads_its_sections_from_the_shared_example_file() {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/hindsight.example.toml");
+        let join: JoinFile =
+            hindsight_core::load_toml(Some(&path), Vec::new(), &["log", "joiner"]).unwrap();
+        join.joiner.clone().validate().unwrap();
+        let shown = hindsight_feedback::JoinerConfig {
+            redis_url: String::new(),
+            ..join.joiner
+        };
+        let default = hindsight_feedback::JoinerConfig {
+            redis_url: String::new(),
+            ..hindsight_feedback::JoinerConfig::default()
+        };
+        assert_eq!(
+            format!("{shown:?}"),
+            format!("{default:?}"),
+            "the example's [joiner] drifted from the defaults"
+        );
+        let feedback: FeedbackFile =
+            hindsight_core::load_toml(Some(&path), Vec::new(), &["log", "feedback"]).unwrap();
+        feedback.log.validate().unwrap();
+        let serve = hindsight_serve::ServeArgs {
+            config: Some(path.clone()),
+            ..Default::default()
+        };
+        serve.load().unwrap();
+        hindsight_proxy::RawConfig::load(Some(&path), Vec::new())
+            .unwrap()
+            .validate()
+            .unwrap();
     }
 }

@@ -89,7 +89,7 @@ async fn run() -> Result<()> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let base = format!("http://{}", listener.local_addr()?);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(run_serve(args.validate()?, listener, async {
+    let server = tokio::spawn(run_serve(args.load()?, listener, async {
         let _ = stop_rx.await;
     }));
     let http = reqwest::Client::new();

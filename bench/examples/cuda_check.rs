@@ -1,6 +1,6 @@
 // The model core on a CUDA GPU: checked against the CPU, then measured.
 //
-// Build (needs a CUDA toolkit; README "GPU" says how it was done without one installed):
+// Build (needs a CUDA toolkit; model/README.md, "GPU", says how it was done without one installed):
 //   cargo build --release -p hindsight-bench --features cuda --example cuda_check
 // Run on the GPU machine:
 //   target/release/examples/cuda_check [OUT.json]
@@ -374,25 +374,21 @@ fn paris(
 /// Starts `hindsight serve` on `device` (bf16 on a GPU) in-process, asks the sanity question
 /// (plain and under a JSON schema), then measures 1 and 16 concurrent streams of 64 tokens.
 fn serve_check(r: &mut Report, model: PathBuf, device: &str) -> Result<Value> {
-    use hindsight_serve::{run_serve, ServeArgs};
+    use hindsight_serve::run_serve;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let args = ServeArgs {
+        let raw = hindsight_serve::RawServeSection {
             model,
-            listen: addr,
-            adapters: vec![],
+            listen_addr: addr.to_string(),
             served_model_name: Some("base".into()),
-            queue_capacity: 64,
-            max_active_sequences: 32,
-            max_batch: 16,
             default_max_tokens: 64,
-            keep_adapter_versions: 2,
             device: device.parse()?,
             dtype: if device == "cpu" { "f32" } else { "bf16" }.parse()?,
+            ..Default::default()
         };
-        let config = args.validate()?;
+        let config = raw.validate()?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(run_serve(config, listener, async {
             let _ = rx.await;

@@ -22,7 +22,7 @@ async fn run() -> anyhow::Result<()> {
         )
         .init();
     let cli = Cli::parse();
-    let config = cli.serve.validate()?;
+    let config = cli.serve.load()?;
     let listener = tokio::net::TcpListener::bind(config.listen).await?;
     hindsight_serve::run_serve(config, listener, async {
         let _ = tokio::signal::ctrl_c().await;

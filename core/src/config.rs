@@ -2,8 +2,25 @@
 //! `HINDSIGHT_<SECTION>__<KEY>` environment overrides (`__` separates nesting levels), then
 //! serde into the process's raw config type, with the dotted path of any bad or unknown key in
 //! the error. Each process validates its raw config into a typed one after this.
+//!
+//! One file can hold every process's sections (deploy/hindsight.example.toml): a process reads
+//! its own sections and leaves the other processes' alone, but a section no process knows is an
+//! error (a typo must not be ignored).
 
 use std::path::Path;
+
+/// Every section a Hindsight process reads, so one file can configure them all.
+pub const SECTIONS: &[&str] = &[
+    "log",      // Kafka brokers, topics, spill: every process that touches Kafka
+    "proxy",    // hindsight proxy
+    "feedback", // the feedback API (hindsight proxy, hindsight feedback)
+    "joiner",   // hindsight join
+    "serve",    // hindsight serve
+    "learner",  // hindsight learner
+    "registry", // the adapter registry (hindsight learner, hindsight adapters)
+    "publish",  // the eval gate and publishing (hindsight learner)
+    "scenario", // the learning-curve bench's simulated scenario
+];
 
 /// Why a config could not be read; every variant names the file or the key to fix.
 #[derive(Debug, thiserror::Error)]
@@ -34,10 +51,11 @@ pub enum ConfigError {
     },
 }
 
-/// Reads any config type the way `hindsight` reads all of them: a TOML file (or nothing),
-/// then `HINDSIGHT_<SECTION>__<KEY>` environment overrides for the given `sections` (other
-/// processes' variables in the same environment are left alone), then serde with the path of
-/// any bad or unknown key in the error.
+/// Reads any config type the way `hindsight` reads all of them: a TOML file (or nothing) whose
+/// `sections` are kept (other known sections are ignored, unknown ones refused), then
+/// `HINDSIGHT_<SECTION>__<KEY>` environment overrides for those sections (other processes'
+/// variables in the same environment are left alone), then serde with the path of any bad or
+/// unknown key in the error.
 pub fn load_toml<T: serde::de::DeserializeOwned>(
     path: Option<&Path>,
     env: impl IntoIterator<Item = (String, String)>,
@@ -56,6 +74,14 @@ pub fn load_toml<T: serde::de::DeserializeOwned>(
         }
         None => toml::Table::new(),
     };
+    if let Some(unknown) = table.keys().find(|k| !SECTIONS.contains(&k.as_str())) {
+        return Err(ConfigError::Invalid {
+            key: unknown.clone(),
+            reason: format!("unknown section; Hindsight reads {}", SECTIONS.join(", ")),
+        });
+    }
+    // Other processes' sections of a shared file are theirs to check.
+    table.retain(|k, _| sections.contains(&k));
     apply_env_overrides(&mut table, env, sections)?;
     serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Invalid {
         key: e.path().to_string(),
@@ -115,7 +141,7 @@ mod tests {
     #[serde(deny_unknown_fields)]
     struct File {
         #[serde(default)]
-        a: Section,
+        proxy: Section,
     }
     #[derive(Debug, Default, serde::Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -143,26 +169,28 @@ mod tests {
         let f: File = load_toml(
             None,
             env(&[
-                ("HINDSIGHT_A__N", "7"),
-                ("HINDSIGHT_A__INNER__S", "x"),
+                ("HINDSIGHT_PROXY__N", "7"),
+                ("HINDSIGHT_PROXY__INNER__S", "x"),
                 ("HINDSIGHT_OTHER__N", "not ours"),
                 ("PATH", "/bin"),
             ]),
-            &["a"],
+            &["proxy"],
         )
         .unwrap();
-        assert_eq!(f.a.n, 7);
-        assert_eq!(f.a.inner.unwrap().s, "x");
+        assert_eq!(f.proxy.n, 7);
+        assert_eq!(f.proxy.inner.unwrap().s, "x");
     }
 
     #[test]
     fn a_bad_value_names_its_key() {
-        let e = load_toml::<File>(None, env(&[("HINDSIGHT_A__N", "1e-3x")]), &["a"]).unwrap_err();
+        let e = load_toml::<File>(None, env(&[("HINDSIGHT_PROXY__N", "1e-3x")]), &["proxy"])
+            .unwrap_err();
         assert!(
-            matches!(&e, ConfigError::Invalid { key, .. } if key == "a.n"),
+            matches!(&e, ConfigError::Invalid { key, .. } if key == "proxy.n"),
             "{e}"
         );
-        let e = load_toml::<File>(None, env(&[("HINDSIGHT_A__M", "1")]), &["a"]).unwrap_err();
+        let e =
+            load_toml::<File>(None, env(&[("HINDSIGHT_PROXY__M", "1")]), &["proxy"]).unwrap_err();
         assert!(e.to_string().contains("unknown field `m`"), "{e}");
     }
 
@@ -171,16 +199,37 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("hindsight-core-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("c.toml");
-        std::fs::write(&p, "[a]\nn = 3\n").unwrap();
-        let f: File = load_toml(Some(&p), env(&[]), &["a"]).unwrap();
-        assert_eq!(f.a.n, 3);
-        let f: File = load_toml(Some(&p), env(&[("HINDSIGHT_A__N", "4")]), &["a"]).unwrap();
-        assert_eq!(f.a.n, 4);
-        std::fs::write(&p, "[a\n").unwrap();
+        std::fs::write(&p, "[proxy]\nn = 3\n").unwrap();
+        let f: File = load_toml(Some(&p), env(&[]), &["proxy"]).unwrap();
+        assert_eq!(f.proxy.n, 3);
+        let f: File = load_toml(Some(&p), env(&[("HINDSIGHT_PROXY__N", "4")]), &["proxy"]).unwrap();
+        assert_eq!(f.proxy.n, 4);
+        std::fs::write(&p, "[proxy\n").unwrap();
         assert!(matches!(
-            load_toml::<File>(Some(&p), env(&[]), &["a"]),
+            load_toml::<File>(Some(&p), env(&[]), &["proxy"]),
             Err(ConfigError::Parse { .. })
         ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn one_file_serves_every_process_but_an_unknown_section_is_refused() {
+        let dir = std::env::temp_dir().join(format!("hindsight-core-s-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("all.toml");
+        std::fs::write(
+            &p,
+            "[proxy]\nn = 5\n[learner]\nanything = 1\n[joiner]\nx = 2\n",
+        )
+        .unwrap();
+        let f: File = load_toml(Some(&p), env(&[]), &["proxy"]).unwrap();
+        assert_eq!(f.proxy.n, 5);
+        std::fs::write(&p, "[proxy]\nn = 5\n[prxy]\nn = 1\n").unwrap();
+        let e = load_toml::<File>(Some(&p), env(&[]), &["proxy"]).unwrap_err();
+        assert!(
+            matches!(&e, ConfigError::Invalid { key, .. } if key == "prxy"),
+            "{e}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -1,11 +1,13 @@
 //! What every Hindsight crate shares: the one way to read config (TOML, then
 //! `HINDSIGHT_<SECTION>__<KEY>` overrides, errors naming the key), the `x-hindsight-*` header
-//! names, and the wall clock in milliseconds.
+//! names, the one JSON error body, and the wall clock in milliseconds.
 
 mod config;
+mod error;
 pub mod headers;
 
-pub use config::{load_toml, ConfigError};
+pub use config::{load_toml, ConfigError, SECTIONS};
+pub use error::error_body;
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it), the unit of every event
 /// time in Hindsight's records.

@@ -31,7 +31,7 @@ def send(event: dict, url: str, secret: str | None, idempotency_key: str | None 
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:  # 4xx: {"error": {"field": ..., "reason": ...}}
+    except urllib.error.HTTPError as e:  # 4xx: {"error": {"message": ..., "param": ..., ...}}
         return e.code, json.loads(e.read() or b"{}")
 
 

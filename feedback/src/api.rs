@@ -312,9 +312,33 @@ impl IntoResponse for ApiError {
         debug!(status = self.status.as_u16(), field = %self.field, reason = %self.reason, "Feedback rejected.");
         (
             self.status,
-            Json(json!({"error": {"field": self.field, "reason": self.reason}})),
+            Json(hindsight_core::error_body(
+                &self.reason,
+                if self.status.is_server_error() {
+                    "server_error"
+                } else {
+                    "invalid_request_error"
+                },
+                Some(&self.field),
+                error_code(self.status),
+            )),
         )
             .into_response()
+    }
+}
+
+/// The `code` of the error body: what kind of refusal, stable for clients to branch on.
+fn error_code(s: StatusCode) -> &'static str {
+    match s.as_u16() {
+        400 => "bad_request",
+        401 => "unauthorized",
+        404 => "not_found",
+        409 => "conflict",
+        413 => "too_large",
+        415 => "unsupported_media_type",
+        422 => "invalid_value",
+        503 => "unavailable",
+        _ => "error",
     }
 }
 

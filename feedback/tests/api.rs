@@ -108,7 +108,7 @@ async fn signatures_valid_rotated_wrong_stale_tampered_missing() {
     )
     .await;
     assert_eq!(wrong.status, 401);
-    assert_eq!(wrong.json["error"]["field"], "x-hindsight-signature");
+    assert_eq!(wrong.json["error"]["param"], "x-hindsight-signature");
     let stale = post(
         &app,
         "/hindsight/v1/feedback",
@@ -117,7 +117,7 @@ async fn signatures_valid_rotated_wrong_stale_tampered_missing() {
     )
     .await;
     assert_eq!(stale.status, 401);
-    assert_eq!(stale.json["error"]["field"], "x-hindsight-timestamp");
+    assert_eq!(stale.json["error"]["param"], "x-hindsight-timestamp");
     let future = post(
         &app,
         "/hindsight/v1/feedback",
@@ -135,10 +135,10 @@ async fn signatures_valid_rotated_wrong_stale_tampered_missing() {
     )
     .await;
     assert_eq!(tampered.status, 401);
-    assert_eq!(tampered.json["error"]["field"], "x-hindsight-signature");
+    assert_eq!(tampered.json["error"]["param"], "x-hindsight-signature");
     let missing = post(&app, "/hindsight/v1/feedback", body.clone(), &[]).await;
     assert_eq!(missing.status, 401);
-    assert!(missing.json["error"]["reason"]
+    assert!(missing.json["error"]["message"]
         .as_str()
         .unwrap()
         .contains("missing"));
@@ -172,7 +172,7 @@ async fn idempotent_retry_is_accepted_once_and_answered_the_same() {
     let other = json!({"interaction_id": iid, "kind": "thumbs", "value": true}).to_string();
     let clash = post(&app, "/hindsight/v1/feedback", other, &key).await;
     assert_eq!(clash.status, 422);
-    assert_eq!(clash.json["error"]["field"], "Idempotency-Key");
+    assert_eq!(clash.json["error"]["param"], "Idempotency-Key");
     // A sentinel written after the retries: once it arrives, everything before it has too.
     let sentinel = post(
         &app,
@@ -202,13 +202,13 @@ async fn limits_answer_4xx_naming_field_and_reason() {
         .to_string();
     let a = post(&app, "/hindsight/v1/feedback", huge, &[]).await;
     assert_eq!(a.status, 413);
-    assert_eq!(a.json["error"]["field"], "body");
+    assert_eq!(a.json["error"]["param"], "body");
     let long =
         json!({"interaction_id": iid, "kind": "comment", "value": "x".repeat(20_000)}).to_string();
     let a = post(&app, "/hindsight/v1/feedback", long, &[]).await;
     assert_eq!(a.status, 422);
-    assert_eq!(a.json["error"]["field"], "value");
-    assert!(a.json["error"]["reason"]
+    assert_eq!(a.json["error"]["param"], "value");
+    assert!(a.json["error"]["message"]
         .as_str()
         .unwrap()
         .contains("longer than"));
@@ -223,7 +223,7 @@ async fn limits_answer_4xx_naming_field_and_reason() {
     )
     .await;
     assert_eq!(a.status, 422);
-    assert_eq!(a.json["error"]["field"], "events");
+    assert_eq!(a.json["error"]["param"], "events");
     let a = post(
         &app,
         "/hindsight/v1/feedback/batch",
@@ -232,14 +232,14 @@ async fn limits_answer_4xx_naming_field_and_reason() {
     )
     .await;
     assert_eq!(a.status, 422);
-    assert_eq!(a.json["error"]["field"], "events[1].value");
-    assert!(a.json["error"]["reason"]
+    assert_eq!(a.json["error"]["param"], "events[1].value");
+    assert!(a.json["error"]["message"]
         .as_str()
         .unwrap()
         .contains("[0, 1]"));
     let a = post(&app, "/hindsight/v1/feedback", "{not json", &[]).await;
     assert_eq!(a.status, 400);
-    assert_eq!(a.json["error"]["field"], "body");
+    assert_eq!(a.json["error"]["param"], "body");
     log.shutdown(Duration::from_secs(10)).await;
 }
 
@@ -387,7 +387,7 @@ mod fuzz {
         let Ok(req) = req.body(axum::body::Body::from(body)) else {
             return (
                 400,
-                json!({"error": {"field": "test", "reason": "unbuildable"}}),
+                json!({"error": {"param": "test", "message": "unbuildable"}}),
             );
         };
         env().rt.block_on(async {
@@ -407,8 +407,8 @@ mod fuzz {
             "status {status}: {json}"
         );
         if status != 202 {
-            prop_assert!(json["error"]["field"].is_string(), "no field: {json}");
-            prop_assert!(json["error"]["reason"].is_string(), "no reason: {json}");
+            prop_assert!(json["error"]["param"].is_string(), "no param: {json}");
+            prop_assert!(json["error"]["message"].is_string(), "no message: {json}");
         }
         Ok(())
     }

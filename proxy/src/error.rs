@@ -76,13 +76,12 @@ impl ProxyError {
         if status.is_server_error() {
             tracing::warn!(status = status.as_u16(), error = %self, "Request failed in the proxy.");
         }
-        let body = serde_json::json!({
-            "error": {
-                "message": self.to_string(),
-                "type": "hindsight_proxy_error",
-                "code": self.code(),
-            }
-        });
+        let body = hindsight_core::error_body(
+            &self.to_string(),
+            "hindsight_proxy_error",
+            None,
+            self.code(),
+        );
         let mut resp = Response::new(full(Bytes::from(body.to_string())));
         *resp.status_mut() = status;
         resp.headers_mut().insert(

@@ -3,7 +3,6 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
 /// Everything that can go wrong in the server.
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +96,7 @@ impl ServeError {
         } else {
             self.to_string()
         };
-        json!({"error": {"message": message, "type": ty, "param": param, "code": code}})
+        hindsight_core::error_body(&message, ty, param.as_deref(), code)
     }
 }
 

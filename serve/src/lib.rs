@@ -15,5 +15,6 @@ pub use hindsight_model::grammar;
 pub use hindsight_model::grammar::{compile_schema, grammar_vocab, JsonState};
 pub use openai::{chat_prompt, parse_body, ChatPrompt, RawRequest, ToolMode};
 pub use server::{
-    app, run_serve, serve, ServeArgs, ServeConfig, ServeState, ADAPTER_HEADER, BEHAVIOUR_HEADER,
+    app, run_serve, serve, RawServeSection, ServeArgs, ServeConfig, ServeState, ADAPTER_HEADER,
+    BEHAVIOUR_HEADER,
 };

@@ -14,6 +14,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use hindsight_model::tokenizers::Tokenizer;
 use hindsight_model::{ChatTemplate, DeviceSpec, Model, ModelBundle, WeightDType};
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -30,48 +31,120 @@ pub use hindsight_core::headers::ADAPTER as ADAPTER_HEADER;
 /// Request header asking for behaviour log-probs even when the client did not ask for them.
 pub use hindsight_core::headers::BEHAVIOUR as BEHAVIOUR_HEADER;
 
-/// `hindsight serve` arguments.
-#[derive(Debug, Clone, clap::Args)]
-pub struct ServeArgs {
+/// `[serve]`: what `hindsight serve` runs. Every key is optional; `HINDSIGHT_SERVE__<KEY>`
+/// overrides the file and the command-line flags override both (see
+/// deploy/hindsight.example.toml).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServeSection {
     /// GGUF file or HF model directory.
-    #[arg(
-        long,
-        env = "HINDSIGHT_MODEL",
-        default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-    )]
+    #[serde(default = "default_model")]
     pub model: PathBuf,
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:8000")]
-    pub listen: SocketAddr,
-    /// Adapters to load at start, `NAME=PATH` (repeatable).
-    #[arg(long = "adapter", value_name = "NAME=PATH")]
-    pub adapters: Vec<String>,
+    #[serde(default = "default_listen_addr")]
+    pub listen_addr: String,
+    /// Adapters to load at start: name → PEFT directory.
+    #[serde(default)]
+    pub adapters: std::collections::BTreeMap<String, PathBuf>,
     /// Name of the base model in `model` and `/v1/models` (default: the file or directory name).
-    #[arg(long)]
+    #[serde(default)]
     pub served_model_name: Option<String>,
     /// Requests that may wait for the generation worker before new ones get 429.
-    #[arg(long, default_value_t = default_queue_capacity())]
+    #[serde(default = "default_queue_capacity")]
     pub queue_capacity: usize,
     /// Most sequences decoded at once.
-    #[arg(long, default_value_t = default_max_active_sequences())]
+    #[serde(default = "default_max_active_sequences")]
     pub max_active_sequences: usize,
     /// Most sequences admitted into one batch.
-    #[arg(long, default_value_t = default_max_batch())]
+    #[serde(default = "default_max_batch")]
     pub max_batch: usize,
     /// Token budget when a request sets none.
-    #[arg(long, default_value_t = default_max_tokens())]
+    #[serde(default = "default_max_tokens")]
     pub default_max_tokens: usize,
     /// Versions of each adapter kept loaded (for `name@version` pins), the current one included.
-    #[arg(long, default_value_t = default_keep_adapter_versions())]
+    #[serde(default = "default_keep_adapter_versions")]
     pub keep_adapter_versions: usize,
     /// Where the model runs: `cpu`, `cuda` or `cuda:N` (a build with `--features cuda`).
-    #[arg(long, env = "HINDSIGHT_DEVICE", default_value = "cpu")]
+    #[serde(default)]
     pub device: DeviceSpec,
     /// dtype of the base weights: `f32`, or `bf16`/`f16` on a GPU (adapters stay f32).
-    #[arg(long, env = "HINDSIGHT_DTYPE", default_value = "f32")]
+    #[serde(default)]
     pub dtype: WeightDType,
 }
 
+impl Default for RawServeSection {
+    fn default() -> Self {
+        Self {
+            model: default_model(),
+            listen_addr: default_listen_addr(),
+            adapters: Default::default(),
+            served_model_name: None,
+            queue_capacity: default_queue_capacity(),
+            max_active_sequences: default_max_active_sequences(),
+            max_batch: default_max_batch(),
+            default_max_tokens: default_max_tokens(),
+            keep_adapter_versions: default_keep_adapter_versions(),
+            device: DeviceSpec::default(),
+            dtype: WeightDType::default(),
+        }
+    }
+}
+
+/// The config file as `hindsight serve` reads it: its `[serve]` section.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServeFile {
+    #[serde(default)]
+    serve: RawServeSection,
+}
+
+/// `hindsight serve` arguments: a config file, then flags (each overrides its `serve.*` key).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// TOML config file with a `[serve]` section (see deploy/hindsight.example.toml).
+    #[arg(long, short = 'c')]
+    pub config: Option<PathBuf>,
+    /// GGUF file or HF model directory (`serve.model`).
+    #[arg(long, env = "HINDSIGHT_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Address to listen on (`serve.listen_addr`).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Adapters to load at start, `NAME=PATH` (repeatable; added to `serve.adapters`).
+    #[arg(long = "adapter", value_name = "NAME=PATH")]
+    pub adapters: Vec<String>,
+    /// Name of the base model in `model` and `/v1/models` (`serve.served_model_name`).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Requests that may wait before new ones get 429 (`serve.queue_capacity`).
+    #[arg(long)]
+    pub queue_capacity: Option<usize>,
+    /// Most sequences decoded at once (`serve.max_active_sequences`).
+    #[arg(long)]
+    pub max_active_sequences: Option<usize>,
+    /// Most sequences admitted into one batch (`serve.max_batch`).
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// Token budget when a request sets none (`serve.default_max_tokens`).
+    #[arg(long)]
+    pub default_max_tokens: Option<usize>,
+    /// Versions of each adapter kept loaded (`serve.keep_adapter_versions`).
+    #[arg(long)]
+    pub keep_adapter_versions: Option<usize>,
+    /// Where the model runs: `cpu`, `cuda` or `cuda:N` (`serve.device`).
+    #[arg(long, env = "HINDSIGHT_DEVICE")]
+    pub device: Option<DeviceSpec>,
+    /// dtype of the base weights: `f32`, `bf16`, `f16` (`serve.dtype`).
+    #[arg(long, env = "HINDSIGHT_DTYPE")]
+    pub dtype: Option<WeightDType>,
+}
+
+fn default_model() -> PathBuf {
+    PathBuf::from(hindsight_model::DEFAULT_MODEL_FILE)
+}
+fn default_listen_addr() -> String {
+    "127.0.0.1:8000".into()
+}
 fn default_queue_capacity() -> usize {
     64
 }
@@ -112,22 +185,78 @@ pub struct ServeConfig {
 }
 
 impl ServeArgs {
-    /// Validates the arguments.
-    pub fn validate(&self) -> Result<ServeConfig, ServeError> {
-        let adapters = self
-            .adapters
-            .iter()
-            .map(|a| {
-                a.split_once('=')
-                    .filter(|(n, p)| !n.is_empty() && !p.is_empty())
-                    .map(|(n, p)| (n.to_string(), PathBuf::from(p)))
-                    .ok_or_else(|| ServeError::Config(format!("--adapter {a:?} is not NAME=PATH")))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        if self.queue_capacity == 0 || self.max_active_sequences == 0 || self.max_batch == 0 {
-            return Err(ServeError::Config(
-                "queue capacity, active sequences and batch size must be at least 1".into(),
-            ));
+    /// The file's `[serve]` section (if any), `HINDSIGHT_SERVE__*` overrides, then the flags;
+    /// validated.
+    pub fn load(&self) -> Result<ServeConfig, ServeError> {
+        let mut raw = RawServeSection::load(self.config.as_deref(), std::env::vars())?;
+        if let Some(v) = &self.model {
+            raw.model = v.clone();
+        }
+        if let Some(v) = &self.listen {
+            raw.listen_addr = v.clone();
+        }
+        for a in &self.adapters {
+            let (n, p) = a
+                .split_once('=')
+                .filter(|(n, p)| !n.is_empty() && !p.is_empty())
+                .ok_or_else(|| ServeError::Config(format!("--adapter {a:?} is not NAME=PATH")))?;
+            raw.adapters.insert(n.to_string(), PathBuf::from(p));
+        }
+        if let Some(v) = &self.served_model_name {
+            raw.served_model_name = Some(v.clone());
+        }
+        let set = |slot: &mut usize, v: Option<usize>| {
+            if let Some(v) = v {
+                *slot = v;
+            }
+        };
+        set(&mut raw.queue_capacity, self.queue_capacity);
+        set(&mut raw.max_active_sequences, self.max_active_sequences);
+        set(&mut raw.max_batch, self.max_batch);
+        set(&mut raw.default_max_tokens, self.default_max_tokens);
+        set(&mut raw.keep_adapter_versions, self.keep_adapter_versions);
+        if let Some(v) = self.device {
+            raw.device = v;
+        }
+        if let Some(v) = self.dtype {
+            raw.dtype = v;
+        }
+        raw.validate()
+    }
+}
+
+impl RawServeSection {
+    /// The `[serve]` section of a config file (or the defaults without one), with
+    /// `HINDSIGHT_SERVE__<KEY>` overrides from `env`.
+    pub fn load(
+        path: Option<&std::path::Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self, ServeError> {
+        let file: ServeFile = hindsight_core::load_toml(path, env, &["serve"])
+            .map_err(|e| ServeError::Config(e.to_string()))?;
+        Ok(file.serve)
+    }
+
+    /// Checks the section once at start-up; errors name the key.
+    pub fn validate(self) -> Result<ServeConfig, ServeError> {
+        let listen: SocketAddr = self.listen_addr.parse().map_err(|e| {
+            ServeError::Config(format!(
+                "config key `serve.listen_addr`: `{}` is not an address ({e})",
+                self.listen_addr
+            ))
+        })?;
+        for (key, v) in [
+            ("queue_capacity", self.queue_capacity),
+            ("max_active_sequences", self.max_active_sequences),
+            ("max_batch", self.max_batch),
+            ("default_max_tokens", self.default_max_tokens),
+            ("keep_adapter_versions", self.keep_adapter_versions),
+        ] {
+            if v == 0 {
+                return Err(ServeError::Config(format!(
+                    "config key `serve.{key}`: must be at least 1"
+                )));
+            }
         }
         let served_model_name = match &self.served_model_name {
             Some(n) => n.clone(),
@@ -141,17 +270,17 @@ impl ServeArgs {
             }
         };
         Ok(ServeConfig {
-            model: self.model.clone(),
-            listen: self.listen,
-            adapters,
+            model: self.model,
+            listen,
+            adapters: self.adapters.into_iter().collect(),
             served_model_name,
             engine: EngineConfig {
                 queue_capacity: self.queue_capacity,
                 max_active_sequences: self.max_active_sequences,
                 max_group_size: self.max_batch,
             },
-            default_max_tokens: self.default_max_tokens.max(1),
-            keep_adapter_versions: self.keep_adapter_versions.max(1),
+            default_max_tokens: self.default_max_tokens,
+            keep_adapter_versions: self.keep_adapter_versions,
             device: self.device,
             dtype: self.dtype,
         })
@@ -294,7 +423,7 @@ pub async fn serve(
     args: &ServeArgs,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    let config = args.validate()?;
+    let config = args.load()?;
     let listener = tokio::net::TcpListener::bind(config.listen).await?;
     run_serve(config, listener, shutdown).await
 }
@@ -798,4 +927,59 @@ async fn unload_adapter(
         format!("Success: LoRA adapter '{name}' removed successfully."),
     )
         .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn example() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/hindsight.example.toml")
+    }
+
+    /// The shared example file's `[serve]` shows the defaults, and the other processes'
+    /// sections in it are left alone.
+    #[test]
+    fn the_example_file_shows_the_serve_defaults() {
+        let shown = RawServeSection::load(Some(&example()), Vec::new()).unwrap();
+        assert_eq!(shown, RawServeSection::default());
+    }
+
+    #[test]
+    fn overrides_and_flags_apply_in_order_and_bad_values_name_the_key() {
+        let env = vec![
+            ("HINDSIGHT_SERVE__MAX_BATCH".to_string(), "4".to_string()),
+            (
+                "HINDSIGHT_SERVE__LISTEN_ADDR".to_string(),
+                "127.0.0.1:9".to_string(),
+            ),
+        ];
+        let raw = RawServeSection::load(Some(&example()), env).unwrap();
+        assert_eq!(
+            (raw.max_batch, raw.listen_addr.as_str()),
+            (4, "127.0.0.1:9")
+        );
+        let cfg = raw.validate().unwrap();
+        assert_eq!(cfg.served_model_name, "SmolLM2-135M-Instruct.Q4_1");
+        let bad = RawServeSection {
+            listen_addr: "nowhere".into(),
+            ..RawServeSection::default()
+        };
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains("serve.listen_addr"), "{e}");
+        let zero = RawServeSection {
+            max_batch: 0,
+            ..RawServeSection::default()
+        };
+        assert!(zero
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("serve.max_batch"));
+        let args = ServeArgs {
+            adapters: vec!["nopath".into()],
+            ..ServeArgs::default()
+        };
+        assert!(args.load().unwrap_err().to_string().contains("NAME=PATH"));
+    }
 }

@@ -32,7 +32,7 @@ fn real_args() -> ServeArgs {
 fn real_state() -> ServeState {
     static STATE: OnceLock<ServeState> = OnceLock::new();
     STATE
-        .get_or_init(|| ServeState::load(&real_args().validate().unwrap()).unwrap())
+        .get_or_init(|| ServeState::load(&real_args().load().unwrap()).unwrap())
         .clone()
 }
 
@@ -121,13 +121,9 @@ async fn openai_python_client_against_a_real_socket() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(run_serve(
-        real_args().validate().unwrap(),
-        listener,
-        async {
-            let _ = rx.await;
-        },
-    ));
+    let server = tokio::spawn(run_serve(real_args().load().unwrap(), listener, async {
+        let _ = rx.await;
+    }));
     // Wait until the model is loaded and serving.
     let client = reqwest::Client::new();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
