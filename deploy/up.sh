@@ -129,17 +129,9 @@ adapter_name = "$ADAPTER"
 group_id = "hindsight-up-learner"
 checkpoint_dir = ".hindsight/learner"
 run_log = ".hindsight/learner/run.jsonl"
-max_batch_examples = 4
 candidate_every_examples = ${HINDSIGHT_UP_CANDIDATE_EVERY:-16}
 candidate_every_batches = 0
-[learner.trainer]
-kl_penalty = 1.0
-[learner.trainer.optimizer]
-lr = 0.001
-[learner.trainer.objectives]
-sft = 1.0
-distill = 1.0
-dense = 1.0
+# Training: the defaults, i.e. the measured recipe (learner/README.md).
 [registry]
 redis_url = "redis://127.0.0.1:${REDIS_PORT:-6379}/"
 key_prefix = "hindsight:up:registry"

@@ -58,6 +58,10 @@ const RUN_TIMEOUT: Duration = Duration::from_secs(150);
 /// rebalances it; this test used to wait 11 s before each restart for that reason.)
 const RESTART_AFTER_KILL: Duration = Duration::from_millis(0);
 
+/// The tests of this binary each run learner processes; one at a time keeps the crash test's
+/// kill timing as it was measured on two cores.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 const CAPITALS: [(&str, &str); 8] = [
     ("France", "Paris"),
     ("Germany", "Berlin"),
@@ -379,6 +383,7 @@ fn committed_offset(brokers: &str, group: &str, topic: &str) -> Option<i64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_learner_neither_loses_nor_repeats_an_example() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let started = Instant::now();
     let model = model_path();
     let mut tmp = tempfile::tempdir().unwrap();
@@ -416,6 +421,7 @@ run_log = {run_log:?}
 max_records = {total}
 max_batch_examples = 2
 max_batch_wait_ms = 300
+replay_steps_per_batch = 1
 candidate_every_batches = 0
 candidate_every_ms = 0
 
@@ -712,20 +718,25 @@ async fn produce_episodes(log: &LogConfig, first: usize, n: usize) -> Vec<Uuid> 
     ids
 }
 
-/// Deletes the episodes topic and waits until the broker no longer lists it.
-async fn delete_episodes_topic(log: &LogConfig) {
-    use rdkafka::admin::{AdminClient, AdminOptions};
-    use rdkafka::client::DefaultClientContext;
-    let log = log.clone().validate().unwrap();
-    let topic = log.topics().get(Topic::Episodes).to_string();
-    let admin: AdminClient<DefaultClientContext> = log.client_config().create().unwrap();
-    let res = admin
-        .delete_topics(&[&topic], &AdminOptions::new())
-        .await
-        .unwrap();
-    for r in res {
-        r.unwrap_or_else(|(t, e)| panic!("deleting {t}: {e}"));
-    }
+/// The checkpoint's loop state, with every position moved from `from`'s episodes topic to
+/// `to`'s: as if the topic the checkpoint was read from had been replaced under the same name
+/// (the local broker emptied, or the topic deleted and created again). Done on the checkpoint
+/// rather than by deleting topics, which the local broker handles poorly under other clients.
+fn move_positions(checkpoints: &Path, from: &LogConfig, to: &LogConfig) {
+    let topic = |l: &LogConfig| {
+        l.clone()
+            .validate()
+            .unwrap()
+            .topics()
+            .get(Topic::Episodes)
+            .to_string()
+    };
+    let (a, b) = (topic(from), topic(to));
+    let latest = std::fs::read_to_string(checkpoints.join("LATEST")).unwrap();
+    let path = checkpoints.join(latest.trim()).join("loop.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains(&a), "{text}");
+    std::fs::write(&path, text.replace(&a, &b)).unwrap();
 }
 
 fn final_state(checkpoints: &Path) -> LoopState {
@@ -763,15 +774,18 @@ async fn run_to_end(dirs: &Dirs, run: usize) -> bool {
 /// topic from its beginning, instead of skipping its first records as "already trained".
 /// Both ways of noticing are exercised: the record before the position has another id (the new
 /// topic is longer), and the position is beyond the new topic's end. With
-/// `on_replaced_topic = "refuse"` the learner stops with an error naming the partition.
+/// `on_replaced_topic = "refuse"` the learner stops with an error naming the partition. The
+/// replacement is made by pointing the checkpoint's positions at a fresh topic
+/// ([`move_positions`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn learner_reads_a_replaced_topic_from_its_beginning() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let model = model_path();
     let tmp = tempfile::tempdir().unwrap();
     let id = Uuid::now_v7().simple().to_string();
-    let log = LogConfig {
+    let log_for = |generation: usize| LogConfig {
         brokers: brokers(),
-        topic_prefix: format!("test-replaced-{id}"),
+        topic_prefix: format!("test-replaced-{id}-{generation}"),
         spill_dir: tmp.path().join("spill"),
         ..LogConfig::default()
     };
@@ -781,7 +795,7 @@ async fn learner_reads_a_replaced_topic_from_its_beginning() {
         run_log: tmp.path().join("run.jsonl"),
         checkpoints: tmp.path().join("ckpt"),
     };
-    let write_config = |max_records: usize, policy: &str| {
+    let write_config = |log: &LogConfig, max_records: usize, policy: &str| {
         let config = format!(
             r#"[log]
 brokers = {brokers:?}
@@ -796,6 +810,7 @@ run_log = {run_log:?}
 max_records = {max_records}
 max_batch_examples = 4
 max_batch_wait_ms = 300
+replay_steps_per_batch = 0
 candidate_every_batches = 0
 candidate_every_ms = 0
 on_replaced_topic = "{policy}"
@@ -818,8 +833,9 @@ distill = 0.0
     };
 
     // Run 1: four episodes, trained and checkpointed at position 4.
-    produce_episodes(&log, 0, 4).await;
-    write_config(4, "restart");
+    let first_topic = log_for(1);
+    produce_episodes(&first_topic, 0, 4).await;
+    write_config(&first_topic, 4, "restart");
     assert!(run_to_end(&dirs, 1).await, "{}", dirs.failure(1, "failed"));
     let first = final_state(&dirs.checkpoints);
     assert_eq!(
@@ -833,9 +849,10 @@ distill = 0.0
     );
 
     // The topic is replaced by a longer one: offset 3 now holds another record.
-    delete_episodes_topic(&log).await;
-    produce_episodes(&log, 100, 6).await;
-    write_config(10, "restart");
+    let second_topic = log_for(2);
+    produce_episodes(&second_topic, 100, 6).await;
+    move_positions(&dirs.checkpoints, &first_topic, &second_topic);
+    write_config(&second_topic, 10, "restart");
     assert!(run_to_end(&dirs, 2).await, "{}", dirs.failure(2, "failed"));
     let second = final_state(&dirs.checkpoints);
     assert_eq!(
@@ -848,9 +865,10 @@ distill = 0.0
     assert!(stderr.contains("does not refer to this topic"), "{stderr}");
 
     // Replaced again by a shorter one (the position is beyond its end), and refused.
-    delete_episodes_topic(&log).await;
-    produce_episodes(&log, 200, 2).await;
-    write_config(12, "refuse");
+    let third_topic = log_for(3);
+    produce_episodes(&third_topic, 200, 2).await;
+    move_positions(&dirs.checkpoints, &second_topic, &third_topic);
+    write_config(&third_topic, 12, "refuse");
     assert!(
         !run_to_end(&dirs, 3).await,
         "{}",

@@ -5,37 +5,23 @@
 //!
 //! ```sh
 //! cargo bench -p hindsight-bench --bench learning_curve
-//! # knobs (env): OBJECTIVES=none,sft,kto,dense,distill,distill-dense  EVENTS=64  EVAL_EVERY=16
-//! #   EVAL_ITEMS=20  LR=3e-3  RANK=8  BATCH=1  SEED=0  CORRECTION_RATE=0.3  NOISE_RATE=0
-//! #   CRITIQUE=rule-and-value|rule  OUT=target/bench-results/learning_curve
-//! #   PLACEMENT=user-note|system-no-answer|user-turn|system  (where the self-teacher sees the feedback)
-//! #   REPLAY=0  (replay steps on earlier examples after each new micro-batch)
-//! #   REPLAY_UNLEARNED=0  (1: replay also examples a step learned nothing from)
-//! #   KL_BUDGET=<nats per position>  (default: the learner's)
-//! #   PREFIX_GRAD=1  (0: the trainer back-propagates through the answer positions only)
-//! #   TEACHER_EMA=<rate>  (the teacher's EMA rate towards the policy; 0 = frozen base teacher)
-//! #   TRAIN_EVAL=0  (also score the first N training tickets at every point: fit vs generalization)
-//! #   DIVERGENCE=reverse_kl|forward_kl|jsd  (self-distillation's divergence; default: the learner's)
-//! #   DISTILL_TARGET=logged|teacher|edit  (self-distillation on the logged answer, on the answer
-//! #     the hindsight teacher decodes itself under the request's grammar, or on the logged
-//! #     answer with the fields the feedback speaks against set to the teacher's values)
-//! #   TARGET_CE=0  (weight of cross-entropy on a teacher/edit target that differs from the logged answer)
-//! #   EDIT_MARGIN=<nats>  (the edit's margin; default: the learner's)
-//! #   EDIT_BASELINE=student|control  (what the edit compares the teacher shown the feedback with:
-//! #     the student, or the teacher shown a content-free critique)
-//! #   CONTRAST=0  (α of the teacher's decoding contrasted with the content-free critique)
-//! #   MIN_TARGET_LOGPROB=<nats>  (distil only on targets — the teacher's own answer or edit —
-//! #     whose values the teacher gives at least this joint log-probability; default: every
-//! #     target; EDIT_MIN_LOGPROB is the older name)
-//! #   MIN_FIELD_LOGPROB=<nats>  (per field of the target: its value's tokens are not learned
-//! #     when the teacher gives the value less than this log-probability; default: all learned)
-//! #   CONFIDENCE=vocabulary|decision  (how the two floors read the teacher's confidence: over
-//! #     the whole vocabulary, or each decoding choice among the tokens the grammar allowed;
-//! #     decision needs DISTILL_TARGET=teacher)
-//! #   PROBE=1  (0: skip the likelihood probe of learning beyond the prior)
-//! #   RECORDS=json|compact  (compact: the order and customer records in one line each, ~30% shorter prompts)
-//! #   ORDERED=1  (feedback sent in episode order after each chunk's answers, so the learner's
-//! #     training order is the same on every run of a seed; 0: as the answers finish)
+//! ```
+//! With no settings this is the headline run: the learner's defaults (the measured recipe) on
+//! the default scenario (64 feedback events, every wrong answer corrected, eval on 60
+//! held-out tickets after 32 and 64 events, seed 0). Settings come the way every Hindsight
+//! process reads them: `CONFIG=<file.toml>` with `[scenario]` ([`Scenario`]) and `[learner]`
+//! (the section `hindsight learner` reads, e.g. deploy/learner.example.toml), then
+//! `HINDSIGHT_SCENARIO__<KEY>` and `HINDSIGHT_LEARNER__<KEY>[__<SUBKEY>]` overrides; an unknown
+//! key or a bad value stops the run naming the key. Two more: `OBJECTIVES=default,kto,…`
+//! (`default` = the configured objective mix; `none`, `sft`, `kto`, `dense`, `distill`,
+//! `distill-dense` = that objective alone, for comparisons on the same events) and
+//! `OUT=target/bench-results/learning_curve`. For example, the realistic stream on seed 1
+//! beside KTO with the prompt detached:
+//! ```sh
+//! HINDSIGHT_SCENARIO__CORRECTION_RATE=0.3 HINDSIGHT_SCENARIO__SEED=1 OBJECTIVES=default \
+//!   cargo bench -p hindsight-bench --bench learning_curve
+//! HINDSIGHT_LEARNER__TRAINER__PREFIX_GRAD=false OBJECTIVES=kto \
+//!   cargo bench -p hindsight-bench --bench learning_curve
 //! ```
 //! Writes `<OUT>.json` (every point, wall time, trainer tokens/s) and `<OUT>.png`, and prints a
 //! table. Each curve is printed and plotted beside the constant-answer baseline (always the
@@ -49,21 +35,13 @@
 //! topics, keys and adapters.
 
 use std::path::PathBuf;
-use std::str::FromStr;
 
 use anyhow::Context;
 use clap::ValueEnum;
 use hindsight_bench::learning::{
-    plot, run_learning, CurvePoint, LearningConfig, LearningReport, Objective, HISTORY_EVAL_ITEMS,
+    plot, run_learning, BenchFile, CurvePoint, LearningConfig, LearningReport, Objective,
+    HISTORY_EVAL_ITEMS,
 };
-use hindsight_sim::CritiqueStyle;
-
-fn env<T: FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// One metric along the curve as "0% → 10% → …" ("-" where a point lacks it).
 fn percents(report: &LearningReport, metric: impl Fn(&CurvePoint) -> Option<f64>) -> String {
@@ -92,99 +70,36 @@ async fn run() -> anyhow::Result<()> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     std::env::set_current_dir(&root)?;
     let objectives: Vec<Objective> = std::env::var("OBJECTIVES")
-        .unwrap_or_else(|_| "none,sft,kto,dense,distill,distill-dense".into())
+        .unwrap_or_else(|_| "default".into())
         .split(',')
         .map(|s| Objective::from_str(s.trim(), true).map_err(anyhow::Error::msg))
         .collect::<anyhow::Result<_>>()
         .context("OBJECTIVES")?;
-    let out = PathBuf::from(env(
-        "OUT",
-        "target/bench-results/learning_curve".to_string(),
-    ));
+    let out = PathBuf::from(
+        std::env::var("OUT").unwrap_or_else(|_| "target/bench-results/learning_curve".into()),
+    );
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    let critique = CritiqueStyle::from_str(
-        &std::env::var("CRITIQUE").unwrap_or_else(|_| "rule-and-value".into()),
-        true,
-    )
-    .map_err(anyhow::Error::msg)?;
+    let config = std::env::var_os("CONFIG").map(PathBuf::from);
+    let file = BenchFile::load(config.as_deref(), std::env::vars()).with_context(|| {
+        format!("reading the bench's config ({config:?} and HINDSIGHT_* overrides)")
+    })?;
     let work = tempfile::tempdir()?;
     let mut reports: Vec<LearningReport> = Vec::new();
     for objective in objectives {
-        let mut cfg = LearningConfig::new(objective, work.path().join(objective.as_str()));
-        cfg.events = env("EVENTS", cfg.events);
-        cfg.eval_every = env("EVAL_EVERY", cfg.eval_every);
-        cfg.eval_items = env("EVAL_ITEMS", cfg.eval_items);
-        cfg.train_eval_items = env("TRAIN_EVAL", cfg.train_eval_items);
-        cfg.lr = env("LR", cfg.lr);
-        cfg.rank = env("RANK", cfg.rank);
-        cfg.batch_examples = env("BATCH", cfg.batch_examples);
-        cfg.seed = env("SEED", cfg.seed);
-        cfg.correction_rate = env("CORRECTION_RATE", cfg.correction_rate);
-        cfg.noise_rate = env("NOISE_RATE", cfg.noise_rate);
-        cfg.critique_style = critique;
-        cfg.replay_steps_per_batch = env("REPLAY", cfg.replay_steps_per_batch);
-        cfg.replay_unlearned = env("REPLAY_UNLEARNED", 0u8) == 1;
-        cfg.feedback_in_episode_order = env::<u8>("ORDERED", 1) != 0;
-        cfg.kl_budget = std::env::var("KL_BUDGET").ok().and_then(|v| v.parse().ok());
-        cfg.prefix_grad = env::<u8>("PREFIX_GRAD", 1) != 0;
-        cfg.teacher_ema_rate = std::env::var("TEACHER_EMA")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        cfg.prior_probe = env::<u8>("PROBE", 1) != 0;
-        if let Ok(r) = std::env::var("RECORDS") {
-            cfg.records = serde_json::from_value(serde_json::Value::String(r.clone()))
-                .with_context(|| format!("RECORDS={r}: json or compact"))?;
-        }
-        if let Ok(d) = std::env::var("DIVERGENCE") {
-            cfg.divergence = Some(
-                serde_json::from_value(serde_json::Value::String(d.clone()))
-                    .with_context(|| format!("DIVERGENCE={d}: reverse_kl, forward_kl or jsd"))?,
-            );
-        }
-        if let Ok(t) = std::env::var("DISTILL_TARGET") {
-            cfg.distill_target = serde_json::from_value(serde_json::Value::String(t.clone()))
-                .with_context(|| format!("DISTILL_TARGET={t}: logged, teacher or edit"))?;
-        }
-        cfg.target_ce_weight = env("TARGET_CE", cfg.target_ce_weight);
-        if let Ok(b) = std::env::var("EDIT_BASELINE") {
-            cfg.edit_baseline = serde_json::from_value(serde_json::Value::String(b.clone()))
-                .with_context(|| format!("EDIT_BASELINE={b}: student or control"))?;
-        }
-        cfg.teacher_contrast = env("CONTRAST", cfg.teacher_contrast);
-        // MIN_TARGET_LOGPROB; EDIT_MIN_LOGPROB is its older name (edits only, then).
-        cfg.min_target_logprob = std::env::var("MIN_TARGET_LOGPROB")
-            .or_else(|_| std::env::var("EDIT_MIN_LOGPROB"))
-            .ok()
-            .map(|v| v.parse())
-            .transpose()
-            .context("MIN_TARGET_LOGPROB: a log-probability in nats (<= 0)")?;
-        cfg.min_field_logprob = std::env::var("MIN_FIELD_LOGPROB")
-            .ok()
-            .map(|v| v.parse())
-            .transpose()
-            .context("MIN_FIELD_LOGPROB: a log-probability in nats (<= 0)")?;
-        if let Ok(c) = std::env::var("CONFIDENCE") {
-            cfg.confidence = serde_json::from_value(serde_json::Value::String(c.clone()))
-                .with_context(|| format!("CONFIDENCE={c}: vocabulary or decision"))?;
-        }
-        cfg.edit_margin_nats = std::env::var("EDIT_MARGIN")
-            .ok()
-            .and_then(|v| v.parse().ok());
-        if let Ok(p) = std::env::var("PLACEMENT") {
-            cfg.placement = hindsight_eval::HindsightPlacement::from_str(&p, true)
-                .map_err(anyhow::Error::msg)
-                .context("PLACEMENT")?;
-        }
+        let cfg = LearningConfig::from_file(
+            objective,
+            file.clone(),
+            work.path().join(objective.as_str()),
+        );
         eprintln!(
-            "[learning_curve] {}: {} events, eval every {} on {} items, replay {}, teacher {}",
+            "[learning_curve] {}: {} events, eval every {} on {} items ({})",
             objective.as_str(),
-            cfg.events,
-            cfg.eval_every,
-            cfg.eval_items,
-            cfg.replay_steps_per_batch,
-            cfg.placement.as_str()
+            cfg.scenario.events,
+            cfg.scenario.eval_every,
+            cfg.scenario.eval_items,
+            cfg.label(),
         );
         let report = run_learning(cfg).await?;
         eprintln!(
@@ -204,7 +119,7 @@ async fn run() -> anyhow::Result<()> {
         eprintln!(
             "[learning_curve] {}: distinct decisions among the {} held-out answers {}",
             objective.as_str(),
-            report.config.eval_items,
+            report.config.scenario.eval_items,
             report
                 .points
                 .iter()
@@ -249,16 +164,16 @@ async fn run() -> anyhow::Result<()> {
                 nats(|p| p.train_prior_margin),
             );
         }
-        if report.config.train_eval_items > 0 {
+        if report.config.scenario.train_eval_items > 0 {
             eprintln!(
                 "[learning_curve] {}: on the first {} trained tickets: exact match {}, field accuracy {}",
                 objective.as_str(),
-                report.config.train_eval_items,
+                report.config.scenario.train_eval_items,
                 percents(&report, |p| p.train_exact_match),
                 percents(&report, |p| p.train_field_accuracy),
             );
         }
-        if report.config.eval_items > HISTORY_EVAL_ITEMS {
+        if report.config.scenario.eval_items > HISTORY_EVAL_ITEMS {
             eprintln!(
                 "[learning_curve] {}: exact match on the first {} held-out tickets (the older runs' set) {}",
                 objective.as_str(),

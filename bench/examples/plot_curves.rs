@@ -6,13 +6,13 @@
 //!     a.json b.json[:distill,kto] ...
 //! ```
 //! Writes OUT.png and, beside it, OUT.json with the plotted curves. A `:list` suffix keeps only
-//! those objectives from that file. With `FILL_BASELINE=1`, result
-//! files written before the constant-answer baseline was measured get it computed from their
-//! settings (only for runs of the current task: the world changed with the task redesign).
+//! those objectives from that file. It reads result files of the bench's current format (a
+//! `scenario` and the `learner` config); files written before 2026-12-05 are read by this
+//! tool as of their own commit.
 use std::path::PathBuf;
 
 use anyhow::Context;
-use hindsight_bench::learning::{plot, ConstantBaseline, LearningReport};
+use hindsight_bench::learning::{plot, LearningReport};
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
@@ -38,11 +38,6 @@ fn main() -> anyhow::Result<()> {
         }));
     }
     anyhow::ensure!(!reports.is_empty(), "no curves selected");
-    if std::env::var("FILL_BASELINE").is_ok_and(|v| v == "1") {
-        for r in reports.iter_mut().filter(|r| r.constant_baseline.is_none()) {
-            r.constant_baseline = Some(ConstantBaseline::for_config(&r.config)?);
-        }
-    }
     plot(&reports, &out, &title)?;
     // The plotted curves (baselines filled in) next to the picture, as one file.
     let json = out.with_extension("json");

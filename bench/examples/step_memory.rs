@@ -76,9 +76,8 @@ fn parse() -> Result<Args> {
             }
             "--objectives" => {
                 let s = v()?;
-                a.objective = Objective::ALL
-                    .into_iter()
-                    .find(|o| o.as_str() == s)
+                a.objective = <Objective as clap::ValueEnum>::from_str(&s, true)
+                    .map_err(anyhow::Error::msg)
                     .with_context(|| format!("unknown objective {s}"))?
             }
             "--steps" => a.steps = v()?.parse()?,
@@ -141,7 +140,7 @@ fn main() -> Result<()> {
         prefix_grad: a.prefix_grad,
         ..TrainerConfig::default()
     };
-    cfg.objectives = a.objective.weights();
+    cfg.objectives = a.objective.weights(cfg.objectives);
     let mut trainer = Trainer::new(Arc::new(bundle.model), cfg, "probe")?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
     let mut ids = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(0..vocab)).collect() };

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of the model core, run on a CUDA machine from a prebuilt bundle (.gpu/ here:
-# the stripped `cuda_check` example and libcudart.so.13; see README "GPU"), and PyTorch's
+# the stripped `cuda_check` example and libcudart.so.13; see model/README.md, "GPU"), and PyTorch's
 # training step on the same GPU for the ratio. Writes its log and JSON under ${OUT:-.}.
 #   [HINDSIGHT_MODEL=model.gguf] bash bench/gpu/device-check.sh [BUNDLE_DIR]
 # With HINDSIGHT_MODEL the check also runs on the real weights: the sanity answer in f32 and

@@ -15,15 +15,14 @@ use anyhow::{bail, Context};
 use hindsight_control::publish::PublishConfig;
 use hindsight_control::registry::RegistryConfig;
 use hindsight_eval::{
-    compare_runs, evaluate, extract_json_answer, score_answer, Comparison, EvalSet,
-    HindsightPlacement, RunConfig, RunReport,
+    compare_runs, evaluate, extract_json_answer, score_answer, Comparison, EvalSet, RunConfig,
+    RunReport,
 };
 use hindsight_feedback::{JoinerConfig, LogConfig, Secret};
-use hindsight_learner::objectives::Divergence;
 use hindsight_learner::online::{
     spawn_learner, LearnerConfig, LearnerControl, LearnerEvent, LearnerSetup, LearnerSummary,
 };
-use hindsight_learner::trainer::{Confidence, DistillTarget, EditBaseline, ObjectiveWeights};
+use hindsight_learner::trainer::ObjectiveWeights;
 use hindsight_proxy::{Extensions, RawConfig};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -34,11 +33,15 @@ use hindsight_sim::{
     Split, UserConfig, World,
 };
 
-/// Which objectives learn from the feedback.
+/// Which objectives learn from the feedback: the learner's configured mix, or one alone for a
+/// comparison on the same events.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 #[value(rename_all = "kebab-case")]
 pub enum Objective {
+    /// `learner.trainer.objectives` as configured (by default the measured recipe:
+    /// self-distillation on the teacher's own answer).
+    Default,
     /// No learning: the base model (its curve is flat by construction; evaluated once).
     None,
     /// SFT on corrections only.
@@ -54,19 +57,10 @@ pub enum Objective {
 }
 
 impl Objective {
-    /// Every configuration, in report order.
-    pub const ALL: [Objective; 6] = [
-        Objective::None,
-        Objective::Sft,
-        Objective::Kto,
-        Objective::Dense,
-        Objective::Distill,
-        Objective::DistillDense,
-    ];
-
     /// kebab-case name.
     pub fn as_str(self) -> &'static str {
         match self {
+            Objective::Default => "default",
             Objective::None => "none",
             Objective::Sft => "sft",
             Objective::Kto => "kto",
@@ -76,8 +70,8 @@ impl Objective {
         }
     }
 
-    /// The trainer's objective weights.
-    pub fn weights(self) -> ObjectiveWeights {
+    /// The trainer's objective weights, from the configured ones.
+    pub fn weights(self, configured: ObjectiveWeights) -> ObjectiveWeights {
         let w = |sft, kto, distill, dense| ObjectiveWeights {
             sft,
             kto,
@@ -85,6 +79,7 @@ impl Objective {
             dense,
         };
         match self {
+            Objective::Default => configured,
             Objective::None => w(0.0, 0.0, 0.0, 0.0),
             Objective::Sft => w(1.0, 0.0, 0.0, 0.0),
             Objective::Kto => w(0.0, 1.0, 0.0, 0.0),
@@ -95,17 +90,128 @@ impl Objective {
     }
 }
 
-fn default_placement() -> HindsightPlacement {
-    hindsight_learner::example::ExampleConfig::default().placement
+/// The simulated production scenario a learning run is measured on (`[scenario]` of the
+/// bench's config): what traffic and feedback the environment sends, and how the curve is
+/// scored. The defaults are the headline run (docs/experiments/2026-12-04-feedback-order-and-replay-4.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Feedback events (episodes, each judged once) to learn from.
+    #[serde(default = "default_events")]
+    pub events: u64,
+    /// Evaluate after every this many events.
+    #[serde(default = "default_eval_every")]
+    pub eval_every: u64,
+    /// Held-out eval tickets (the first N of the eval split).
+    #[serde(default = "default_eval_items")]
+    pub eval_items: usize,
+    /// Also evaluate the first this many *training* tickets at every point (0 = off): held-out
+    /// vs trained tells generalization from fit.
+    #[serde(default)]
+    pub train_eval_items: usize,
+    /// World seed (tickets, users).
+    #[serde(default)]
+    pub seed: u64,
+    /// The agent's sampling temperature.
+    #[serde(default = "default_temperature")]
+    pub temperature: f64,
+    /// Episodes in flight.
+    #[serde(default = "default_concurrency")]
+    pub concurrency: usize,
+    /// Feedback sent after each chunk's answers, in episode order, so the learner meets the
+    /// examples in the same order on every run of a seed (false: as answers finish).
+    #[serde(default = "yes")]
+    pub feedback_in_episode_order: bool,
+    /// How critiques are worded.
+    #[serde(default)]
+    pub critique_style: CritiqueStyle,
+    /// Share of wrong answers whose feedback also carries a corrected answer (1: every one,
+    /// the headline; 0.3: the realistic stream).
+    #[serde(default = "default_correction_rate")]
+    pub correction_rate: f64,
+    /// Share of wrong (noisy) feedback.
+    #[serde(default)]
+    pub noise_rate: f64,
+    /// How the tickets write the order and customer records.
+    #[serde(default)]
+    pub records: Records,
+    /// Run the likelihood probe of learning beyond the prior ([`PriorProbe`]) at every point
+    /// (about a second per probed ticket on this CPU).
+    #[serde(default = "yes")]
+    pub prior_probe: bool,
 }
 
-/// What result files written before the field existed used.
-fn default_prefix_grad() -> bool {
+fn default_events() -> u64 {
+    64
+}
+fn default_eval_every() -> u64 {
+    32
+}
+fn default_eval_items() -> usize {
+    60
+}
+fn default_temperature() -> f64 {
+    0.7
+}
+fn default_concurrency() -> usize {
+    4
+}
+fn default_correction_rate() -> f64 {
+    1.0
+}
+fn yes() -> bool {
     true
 }
 
-fn legacy_placement() -> HindsightPlacement {
-    HindsightPlacement::SystemNoAnswer
+impl Default for Scenario {
+    fn default() -> Self {
+        Self {
+            events: default_events(),
+            eval_every: default_eval_every(),
+            eval_items: default_eval_items(),
+            train_eval_items: 0,
+            seed: 0,
+            temperature: default_temperature(),
+            concurrency: default_concurrency(),
+            feedback_in_episode_order: true,
+            critique_style: CritiqueStyle::default(),
+            correction_rate: default_correction_rate(),
+            noise_rate: 0.0,
+            records: Records::default(),
+            prior_probe: true,
+        }
+    }
+}
+
+/// The bench's config file: `[scenario]` and `[learner]`, the very section (and type)
+/// `hindsight learner` reads, with its defaults (the measured recipe).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BenchFile {
+    /// The simulated scenario.
+    #[serde(default)]
+    pub scenario: Scenario,
+    /// The learner.
+    #[serde(default)]
+    pub learner: LearnerConfig,
+}
+
+impl BenchFile {
+    /// Reads the file (or nothing) and `HINDSIGHT_SCENARIO__*` / `HINDSIGHT_LEARNER__*`
+    /// overrides from `env`, failing on an unknown key or a bad value with the key's name.
+    pub fn load(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> anyhow::Result<Self> {
+        let file: BenchFile = hindsight_core::load_toml(path, env, &["scenario", "learner"])?;
+        file.learner
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        if file.scenario.eval_every == 0 || file.scenario.events == 0 {
+            bail!("config key `scenario.events` / `scenario.eval_every`: must be >= 1");
+        }
+        Ok(file)
+    }
 }
 
 /// One learning run.
@@ -113,108 +219,12 @@ fn legacy_placement() -> HindsightPlacement {
 pub struct LearningConfig {
     /// The objective configuration.
     pub objective: Objective,
-    /// Base model file.
-    pub model_path: PathBuf,
-    /// Feedback events (episodes, each judged once) to learn from.
-    pub events: u64,
-    /// Evaluate after every this many events.
-    pub eval_every: u64,
-    /// Eval items (held-out split).
-    pub eval_items: usize,
-    /// Also evaluate the first this many *training* tickets at every point (0 = off): the
-    /// tickets of the first episodes, so once `events` passes this number the learner has
-    /// seen feedback on every one of them. Held-out vs trained tells generalization from fit.
-    #[serde(default)]
-    pub train_eval_items: usize,
-    /// World seed (tickets, users).
-    pub seed: u64,
-    /// Traffic sampling temperature.
-    pub temperature: f64,
-    /// Episodes in flight.
-    pub concurrency: usize,
-    /// Feedback sent after each chunk's answers, in episode order, so the learner meets the
-    /// examples in the same order on every run of a seed (false: as answers finish, which
-    /// follows the server's timing; every run before 2026-12-02 ran so).
-    #[serde(default)]
-    pub feedback_in_episode_order: bool,
-    /// Learning rate.
-    pub lr: f64,
-    /// LoRA rank.
-    pub rank: usize,
-    /// Examples per micro-batch.
-    pub batch_examples: usize,
-    /// How critiques are worded.
-    pub critique_style: CritiqueStyle,
-    /// Share of wrong answers that also get a corrected answer.
-    pub correction_rate: f64,
-    /// Share of wrong (noisy) feedback.
-    pub noise_rate: f64,
-    /// Where the self-teacher's prompt carries the feedback (the learner's
-    /// `examples.placement`); older result files lack it (they used `system-no-answer`).
-    #[serde(default = "legacy_placement")]
-    pub placement: HindsightPlacement,
-    /// Replay steps after each new micro-batch (the learner's `replay_steps_per_batch`).
-    #[serde(default)]
-    pub replay_steps_per_batch: usize,
-    /// Replay also the examples a step learned nothing from (the learner's
-    /// `replay_unlearned`; result files from before 2026-12-02 08:40 UTC did: true there).
-    #[serde(default)]
-    pub replay_unlearned: bool,
-    /// The trainer's KL-to-base budget (nats per logged position); `None`: the learner's default.
-    #[serde(default)]
-    pub kl_budget: Option<f64>,
-    /// Back-propagate through the prompt (the trainer's `prefix_grad`; older result files
-    /// lack it and ran with it on).
-    #[serde(default = "default_prefix_grad")]
-    pub prefix_grad: bool,
-    /// The teacher's EMA rate towards the policy (the trainer's `teacher_ema_rate`; 0 = the
-    /// teacher stays the base model shown the feedback); `None`: the learner's default.
-    #[serde(default)]
-    pub teacher_ema_rate: Option<f64>,
-    /// Divergence of self-distillation (the trainer's `divergence`); `None`: the learner's
-    /// default (reverse KL).
-    #[serde(default)]
-    pub divergence: Option<Divergence>,
-    /// The answer self-distillation reads the models on (the trainer's `distill_target`; older
-    /// result files lack it and ran on the logged answer).
-    #[serde(default)]
-    pub distill_target: DistillTarget,
-    /// Weight of cross-entropy on a distillation target that is not the logged answer (the
-    /// trainer's `target_ce_weight`; older result files lack it: 0).
-    #[serde(default)]
-    pub target_ce_weight: f64,
-    /// The edit's margin (the trainer's `edit_margin_nats`); `None`: the learner's default.
-    #[serde(default)]
-    pub edit_margin_nats: Option<f64>,
-    /// What the edit target compares the teacher with (the trainer's `edit_baseline`; older
-    /// result files lack it: the student).
-    #[serde(default)]
-    pub edit_baseline: EditBaseline,
-    /// Contrast of the teacher's decoding against the content-free critique (the trainer's
-    /// `teacher_contrast`; older result files lack it: 0).
-    #[serde(default)]
-    pub teacher_contrast: f64,
-    /// The floor on the teacher's confidence in its target, its own answer or edit (the
-    /// trainer's `min_target_logprob`; older result files lack it: none).
-    #[serde(default, alias = "edit_min_target_logprob")]
-    pub min_target_logprob: Option<f64>,
-    /// The floor on the teacher's confidence in each field value of its target (the trainer's
-    /// `min_field_logprob`; older result files lack it: none).
-    #[serde(default)]
-    pub min_field_logprob: Option<f64>,
-    /// How the teacher's confidence is read for the two floors (the trainer's `confidence`;
-    /// older result files lack it: over the vocabulary).
-    #[serde(default)]
-    pub confidence: Confidence,
-    /// Run the likelihood probe of learning beyond the prior ([`PriorProbe`]) at every point
-    /// (about a second per probed ticket on this CPU).
-    #[serde(default)]
-    pub prior_probe: bool,
-    /// How the tickets write the order and customer records (older result files lack it:
-    /// JSON). `Compact` prompts are ~30% shorter: every pass of serving and training is
-    /// cheaper.
-    #[serde(default)]
-    pub records: Records,
+    /// The simulated scenario.
+    pub scenario: Scenario,
+    /// The learner (`model_path` is the base model everything runs on). The harness sets
+    /// where its files go, names the adapter after the objective, and takes candidates on
+    /// request after every eval interval.
+    pub learner: LearnerConfig,
     /// Kafka brokers.
     pub brokers: String,
     /// Redis.
@@ -223,120 +233,68 @@ pub struct LearningConfig {
     pub work_dir: PathBuf,
 }
 
-/// The learning rate of the README's curves.
-const DEFAULT_LR: f64 = 3e-3;
-/// The share of wrong answers the simulated user corrects by default.
-const DEFAULT_CORRECTION_RATE: f64 = 0.3;
-
 impl LearningConfig {
-    /// The curve's name in plots: the objective, the replay steps when there are any, the
-    /// learning rate when it is not the default, and the seed when it is not 0.
-    pub fn label(&self) -> String {
-        let mut label = self.objective.as_str().to_string();
-        if self.replay_steps_per_batch > 0 {
-            label.push_str(&format!(" + replay {}", self.replay_steps_per_batch));
-            if self.replay_unlearned {
-                label.push_str(" (all)");
-            }
-        }
-        if self.lr != DEFAULT_LR {
-            label.push_str(&format!(", lr {:e}", self.lr));
-        }
-        if self.seed != 0 {
-            label.push_str(&format!(", seed {}", self.seed));
-        }
-        if !self.prefix_grad {
-            label.push_str(", prompt detached");
-        }
-        if self.records == Records::Compact {
-            label.push_str(", compact records");
-        }
-        match self.teacher_ema_rate {
-            Some(0.0) => label.push_str(", frozen teacher"),
-            Some(r) => label.push_str(&format!(", teacher EMA {r}")),
-            None => {}
-        }
-        if self.correction_rate != DEFAULT_CORRECTION_RATE {
-            label.push_str(&format!(
-                ", {:.0}% of wrong answers corrected",
-                self.correction_rate * 100.0
-            ));
-        }
-        match self.divergence {
-            Some(Divergence::ForwardKl) => label.push_str(", forward KL"),
-            Some(Divergence::Jsd) => label.push_str(", JSD"),
-            Some(Divergence::ReverseKl) | None => {}
-        }
-        match self.distill_target {
-            DistillTarget::Teacher => label.push_str(", on the teacher's answer"),
-            DistillTarget::Edit => label.push_str(", on the teacher's edit"),
-            DistillTarget::Logged => {}
-        }
-        if self.target_ce_weight > 0.0 {
-            label.push_str(&format!(", target CE {}", self.target_ce_weight));
-        }
-        if let Some(m) = self.edit_margin_nats {
-            label.push_str(&format!(", margin {m}"));
-        }
-        if self.edit_baseline == EditBaseline::Control {
-            label.push_str(", vs control critique");
-        }
-        if self.teacher_contrast > 0.0 {
-            label.push_str(&format!(", contrast {}", self.teacher_contrast));
-        }
-        if let Some(floor) = self.min_target_logprob {
-            label.push_str(&format!(", confidence ≥ {floor}"));
-        }
-        if let Some(floor) = self.min_field_logprob {
-            label.push_str(&format!(", values with confidence ≥ {floor}"));
-        }
-        if self.confidence == Confidence::Decision {
-            label.push_str(" (decision)");
-        }
-        label
+    /// The defaults (the measured recipe on the headline scenario) for the local services.
+    pub fn new(objective: Objective, work_dir: impl Into<PathBuf>) -> Self {
+        Self::from_file(objective, BenchFile::default(), work_dir)
     }
 
-    /// Defaults for the local services and the default model.
-    pub fn new(objective: Objective, work_dir: impl Into<PathBuf>) -> Self {
+    /// A run of `objective` with the file's scenario and learner.
+    pub fn from_file(objective: Objective, file: BenchFile, work_dir: impl Into<PathBuf>) -> Self {
         Self {
             objective,
-            model_path: PathBuf::from("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
-            events: 64,
-            eval_every: 16,
-            eval_items: 20,
-            train_eval_items: 0,
-            seed: 0,
-            temperature: 0.7,
-            concurrency: 4,
-            feedback_in_episode_order: true,
-            lr: DEFAULT_LR,
-            rank: 8,
-            batch_examples: 1,
-            critique_style: CritiqueStyle::RuleAndValue,
-            correction_rate: DEFAULT_CORRECTION_RATE,
-            noise_rate: 0.0,
-            placement: default_placement(),
-            replay_steps_per_batch: 0,
-            replay_unlearned: false,
-            kl_budget: None,
-            prefix_grad: default_prefix_grad(),
-            teacher_ema_rate: None,
-            divergence: None,
-            distill_target: DistillTarget::default(),
-            target_ce_weight: 0.0,
-            edit_margin_nats: None,
-            edit_baseline: EditBaseline::default(),
-            teacher_contrast: 0.0,
-            min_target_logprob: None,
-            min_field_logprob: None,
-            confidence: Confidence::default(),
-            prior_probe: true,
-            records: Records::Json,
+            scenario: file.scenario,
+            learner: file.learner,
             brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
             redis_url: std::env::var("REDIS_URL")
                 .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into()),
             work_dir: work_dir.into(),
         }
+    }
+
+    /// The curve's name in plots: the objective, then every scenario and learner setting that
+    /// differs from the defaults (`key=value`, dotted paths as in the config file).
+    pub fn label(&self) -> String {
+        let mut parts = vec![self.objective.as_str().to_string()];
+        let differs = |a: &Scenario, b: &Scenario| changed_keys("", &json_of(a), &json_of(b));
+        parts.extend(differs(&self.scenario, &Scenario::default()));
+        // The files the harness places itself are not settings.
+        let mut learner = self.learner.clone();
+        let defaults = LearnerConfig::default();
+        learner.model_path = defaults.model_path.clone();
+        learner.trainer.objectives = defaults.trainer.objectives;
+        parts.extend(changed_keys("", &json_of(&learner), &json_of(&defaults)));
+        parts.join(", ")
+    }
+
+    /// The base model file.
+    pub fn model_path(&self) -> &Path {
+        &self.learner.model_path
+    }
+}
+
+fn json_of<T: Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
+}
+
+/// `path=value` for every leaf of `a` that differs from `b`, in key order.
+fn changed_keys(path: &str, a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
+    use serde_json::Value;
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => x
+            .iter()
+            .flat_map(|(k, v)| {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                changed_keys(&p, v, y.get(k).unwrap_or(&Value::Null))
+            })
+            .collect(),
+        _ if a == b => vec![],
+        (Value::String(s), _) => vec![format!("{path}={s}")],
+        _ => vec![format!("{path}={a}")],
     }
 }
 
@@ -399,7 +357,7 @@ impl CurvePoint {
     }
 }
 
-/// Held-out tickets of the runs before 2026-12-05 (the README's history): a run on more
+/// Held-out tickets of the runs before 2026-12-05 (docs/experiments/): a run on more
 /// tickets also reports its figures on these, which it starts with.
 pub const HISTORY_EVAL_ITEMS: usize = 20;
 
@@ -458,25 +416,6 @@ pub struct ConstantBaseline {
 }
 
 impl ConstantBaseline {
-    /// The baseline of a run's settings (its seed, eval items and trained tickets scored), for
-    /// the current task; e.g. to fill it into result files written before it was measured.
-    pub fn for_config(cfg: &LearningConfig) -> anyhow::Result<Self> {
-        let world = World::new(cfg.seed);
-        let options = single_turn(cfg.records);
-        let eval = EvalSet::from_items(
-            "support-eval",
-            eval_items(&world, Split::Eval, cfg.eval_items, options),
-        )?;
-        let trained = match cfg.train_eval_items {
-            0 => None,
-            n => Some(EvalSet::from_items(
-                "support-trained",
-                eval_items(&world, Split::Train, n, options),
-            )?),
-        };
-        Self::compute(&world, options, &eval, trained.as_ref())
-    }
-
     /// The training split's most common decision, scored on `eval` (and `trained`) with the
     /// eval's own scorer.
     pub fn compute(
@@ -663,7 +602,7 @@ async fn start_serve(model: &Path) -> anyhow::Result<(String, String, oneshot::S
         "--listen".to_string(),
         "127.0.0.1:0".to_string(),
     ])?;
-    let config = args.serve.validate()?;
+    let config = args.serve.load()?;
     let base = config.served_model_name.clone();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -696,14 +635,15 @@ async fn start_serve(model: &Path) -> anyhow::Result<(String, String, oneshot::S
 
 /// Runs one configuration end to end.
 pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport> {
-    if !cfg.model_path.is_file() {
+    let sc = &cfg.scenario;
+    if !cfg.model_path().is_file() {
         bail!(
             "{} is missing: run deploy/fetch-model.sh",
-            cfg.model_path.display()
+            cfg.model_path().display()
         );
     }
-    if cfg.eval_every == 0 || cfg.events == 0 {
-        bail!("events and eval_every must be >= 1");
+    if sc.eval_every == 0 || sc.events == 0 {
+        bail!("scenario.events and scenario.eval_every must be >= 1");
     }
     // The proxy never fails traffic when Kafka is down (it spills), so without this a run
     // with the services stopped would wait on episodes that never come.
@@ -712,14 +652,14 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     }
     std::fs::create_dir_all(&cfg.work_dir)?;
     let started = Instant::now();
-    let options = single_turn(cfg.records);
-    let world = World::new(cfg.seed);
+    let options = single_turn(sc.records);
+    let world = World::new(sc.seed);
     let set = EvalSet::from_items(
         "support-eval",
-        eval_items(&world, Split::Eval, cfg.eval_items, options),
+        eval_items(&world, Split::Eval, sc.eval_items, options),
     )?;
 
-    let train_set = match cfg.train_eval_items {
+    let train_set = match sc.train_eval_items {
         0 => None,
         n => Some(EvalSet::from_items(
             "support-trained",
@@ -728,9 +668,9 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     };
 
     let constant_baseline = ConstantBaseline::compute(&world, options, &set, train_set.as_ref())?;
-    let probe = if cfg.prior_probe {
+    let probe = if sc.prior_probe {
         let probe = PriorProbe::new(
-            &cfg.model_path,
+            cfg.model_path(),
             &set,
             train_set.as_ref(),
             &constant_baseline.answer,
@@ -756,7 +696,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             }
         }
     };
-    let (serve_url, base_name, stop_serve) = start_serve(&cfg.model_path).await?;
+    let (serve_url, base_name, stop_serve) = start_serve(cfg.model_path()).await?;
     let eval_at = |model: String| {
         let mut rc = RunConfig::new(serve_url.clone(), model);
         rc.progress = false;
@@ -809,12 +749,12 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     );
     if cfg.objective == Objective::None {
         // The base model does not change: its curve is the same number at every point.
-        let mut e = cfg.eval_every;
-        while e <= cfg.events {
+        let mut e = sc.eval_every;
+        while e <= sc.events {
             let mut p = points[0].clone();
             p.events = e;
             points.push(p);
-            e += cfg.eval_every;
+            e += sc.eval_every;
         }
         let _ = stop_serve.send(());
         return Ok(LearningReport {
@@ -881,49 +821,20 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
 
     // Learner: candidates on request, published without a gate (the curve is the measure;
     // the gate has its own test) and promoted so traffic comes from the newest adapter.
+    // The configured learner, with the harness's own files, names and candidate schedule.
     let adapter_name = format!("support-{}", cfg.objective.as_str());
-    let mut learner_cfg = LearnerConfig {
-        model_path: cfg.model_path.clone(),
-        base_model_name: Some(base_name.clone()),
-        adapter_name: adapter_name.clone(),
-        group_id: format!("{prefix}-learner"),
-        checkpoint_dir: cfg.work_dir.join("checkpoints"),
-        run_log: cfg.work_dir.join("run.jsonl"),
-        max_batch_examples: cfg.batch_examples,
-        max_batch_wait_ms: 1_000,
-        checkpoint_every_batches: 4,
-        candidate_every_batches: 0,
-        candidate_every_examples: 0,
-        candidate_every_ms: 0,
-        ..LearnerConfig::default()
-    };
-    learner_cfg.trainer.objectives = cfg.objective.weights();
-    learner_cfg.examples.placement = cfg.placement;
-    learner_cfg.replay_steps_per_batch = cfg.replay_steps_per_batch;
-    learner_cfg.replay_unlearned = cfg.replay_unlearned;
-    if let Some(budget) = cfg.kl_budget {
-        learner_cfg.trainer.kl_budget = budget;
-    }
-    learner_cfg.trainer.optimizer.lr = cfg.lr;
-    learner_cfg.trainer.prefix_grad = cfg.prefix_grad;
-    if let Some(rate) = cfg.teacher_ema_rate {
-        learner_cfg.trainer.teacher_ema_rate = rate;
-    }
-    if let Some(divergence) = cfg.divergence {
-        learner_cfg.trainer.divergence = divergence;
-    }
-    learner_cfg.trainer.distill_target = cfg.distill_target;
-    learner_cfg.trainer.target_ce_weight = cfg.target_ce_weight;
-    if let Some(m) = cfg.edit_margin_nats {
-        learner_cfg.trainer.edit_margin_nats = m;
-    }
-    learner_cfg.trainer.edit_baseline = cfg.edit_baseline;
-    learner_cfg.trainer.teacher_contrast = cfg.teacher_contrast;
-    learner_cfg.trainer.min_target_logprob = cfg.min_target_logprob;
-    learner_cfg.trainer.min_field_logprob = cfg.min_field_logprob;
-    learner_cfg.trainer.confidence = cfg.confidence;
-    learner_cfg.trainer.lora.rank = cfg.rank;
-    learner_cfg.trainer.lora.alpha = 2.0 * cfg.rank as f64;
+    let mut learner_cfg = cfg.learner.clone();
+    learner_cfg.base_model_name = Some(base_name.clone());
+    learner_cfg.adapter_name = adapter_name.clone();
+    learner_cfg.group_id = format!("{prefix}-learner");
+    learner_cfg.checkpoint_dir = cfg.work_dir.join("checkpoints");
+    learner_cfg.run_log = cfg.work_dir.join("run.jsonl");
+    learner_cfg.max_batch_wait_ms = 1_000;
+    learner_cfg.checkpoint_every_batches = 4;
+    learner_cfg.candidate_every_batches = 0;
+    learner_cfg.candidate_every_examples = 0;
+    learner_cfg.candidate_every_ms = 0;
+    learner_cfg.trainer.objectives = cfg.objective.weights(cfg.learner.trainer.objectives);
     let setup = LearnerSetup {
         learner: learner_cfg,
         log: log_cfg.clone(),
@@ -953,8 +864,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     // The last point's eval runs, compared with the base model's at the end.
     let mut last: Option<(RunReport, Option<RunReport>)> = None;
     let mut sent = 0u64;
-    while sent < cfg.events {
-        let n = cfg.eval_every.min(cfg.events - sent);
+    while sent < sc.events {
+        let n = sc.eval_every.min(sc.events - sent);
         let mut env = EnvRunConfig::new(
             format!("http://{proxy_addr}/v1"),
             if live.is_some() {
@@ -966,22 +877,22 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         env.episodes = n;
         env.first_episode = sent;
         env.rate_per_s = 20.0;
-        env.concurrency = cfg.concurrency;
-        env.seed = cfg.seed;
-        env.temperature = cfg.temperature;
+        env.concurrency = sc.concurrency;
+        env.seed = sc.seed;
+        env.temperature = sc.temperature;
         env.options = options;
         env.run_id = format!("{prefix}-traffic");
         env.feedback = Some(FeedbackConfig {
             endpoint: format!("http://{proxy_addr}"),
             secret: Some(SECRET.into()),
             delay_ms: 100,
-            in_episode_order: cfg.feedback_in_episode_order,
+            in_episode_order: sc.feedback_in_episode_order,
         });
         env.user = UserConfig {
-            noise_rate: cfg.noise_rate,
-            correction_rate: cfg.correction_rate,
+            noise_rate: sc.noise_rate,
+            correction_rate: sc.correction_rate,
             thanks_rate: 0.0,
-            critique_style: cfg.critique_style,
+            critique_style: sc.critique_style,
         };
         let summary = run_env(env).await?;
         if summary.feedback_failures > 0 {
@@ -1107,9 +1018,9 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     const RESAMPLES: usize = 10_000;
     let (held_out_vs_base, trained_vs_base) = match &last {
         Some((held_out, trained)) => (
-            Some(compare_runs(&base_report, held_out, RESAMPLES, cfg.seed)?),
+            Some(compare_runs(&base_report, held_out, RESAMPLES, sc.seed)?),
             match (&base_trained, trained) {
-                (Some(a), Some(b)) => Some(compare_runs(a, b, RESAMPLES, cfg.seed)?),
+                (Some(a), Some(b)) => Some(compare_runs(a, b, RESAMPLES, sc.seed)?),
                 _ => None,
             },
         ),
@@ -1120,7 +1031,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             &first_items(&set, &base_report, HISTORY_EVAL_ITEMS),
             &first_items(&set, held_out, HISTORY_EVAL_ITEMS),
             RESAMPLES,
-            cfg.seed,
+            sc.seed,
         )?),
         _ => None,
     };
@@ -1209,8 +1120,11 @@ pub fn plot(reports: &[LearningReport], path: &Path, title: &str) -> anyhow::Res
     let mut baselines: Vec<(u64, &ConstantBaseline)> = Vec::new();
     for r in reports {
         if let Some(b) = &r.constant_baseline {
-            if !baselines.iter().any(|(seed, _)| *seed == r.config.seed) {
-                baselines.push((r.config.seed, b));
+            if !baselines
+                .iter()
+                .any(|(seed, _)| *seed == r.config.scenario.seed)
+            {
+                baselines.push((r.config.scenario.seed, b));
             }
         }
     }
@@ -1539,39 +1453,59 @@ mod tests {
 
     #[test]
     fn curve_labels_name_what_differs_from_the_defaults() {
-        let mut cfg = LearningConfig::new(Objective::Distill, "/tmp/x");
-        assert_eq!(cfg.label(), "distill");
-        cfg.replay_steps_per_batch = 2;
-        cfg.lr = 1e-3;
-        cfg.seed = 1;
-        assert_eq!(cfg.label(), "distill + replay 2, lr 1e-3, seed 1");
-        cfg.prefix_grad = false;
+        let mut cfg = LearningConfig::new(Objective::Default, "/tmp/x");
+        assert_eq!(cfg.label(), "default");
+        cfg.scenario.seed = 1;
+        cfg.learner.replay_steps_per_batch = 2;
+        cfg.learner.trainer.optimizer.lr = 3e-3;
         assert_eq!(
             cfg.label(),
-            "distill + replay 2, lr 1e-3, seed 1, prompt detached"
+            "default, seed=1, replay_steps_per_batch=2, trainer.optimizer.lr=0.003"
         );
-        cfg.teacher_ema_rate = Some(0.0);
-        assert!(cfg.label().ends_with("prompt detached, frozen teacher"));
-        cfg.divergence = Some(Divergence::ForwardKl);
-        assert!(cfg.label().ends_with("frozen teacher, forward KL"));
-        cfg.correction_rate = 1.0;
-        assert!(cfg
-            .label()
-            .ends_with("frozen teacher, 100% of wrong answers corrected, forward KL"));
-        cfg.distill_target = DistillTarget::Teacher;
-        assert!(cfg.label().ends_with("forward KL, on the teacher's answer"));
-        cfg.distill_target = DistillTarget::Edit;
-        cfg.target_ce_weight = 1.0;
-        assert!(cfg
-            .label()
-            .ends_with("forward KL, on the teacher's edit, target CE 1"));
-        cfg.edit_margin_nats = Some(0.0);
-        cfg.edit_baseline = EditBaseline::Control;
-        cfg.teacher_contrast = 1.0;
-        assert!(cfg
-            .label()
-            .ends_with("target CE 1, margin 0, vs control critique, contrast 1"));
-        cfg.min_target_logprob = Some(-2.5);
-        assert!(cfg.label().ends_with("contrast 1, confidence ≥ -2.5"));
+        cfg.learner.trainer.divergence = hindsight_learner::objectives::Divergence::ReverseKl;
+        assert!(
+            cfg.label().contains(", trainer.divergence=reverse_kl"),
+            "{}",
+            cfg.label()
+        );
+        // The objective names the mix; the files the harness places are not settings.
+        let mut kto = LearningConfig::new(Objective::Kto, "/tmp/y");
+        kto.learner.model_path = "/elsewhere/model.gguf".into();
+        assert_eq!(kto.label(), "kto");
+    }
+
+    #[test]
+    fn the_bench_reads_the_learner_config_and_fails_loudly_on_a_bad_value() {
+        let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let f = BenchFile::load(
+            None,
+            env(&[
+                ("HINDSIGHT_LEARNER__TRAINER__OPTIMIZER__LR", "2e-3"),
+                ("HINDSIGHT_SCENARIO__CORRECTION_RATE", "0.3"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(f.learner.trainer.optimizer.lr, 2e-3);
+        assert_eq!(f.scenario.correction_rate, 0.3);
+        // The defaults are the measured recipe and the headline scenario.
+        let d = BenchFile::load(None, env(&[])).unwrap();
+        assert_eq!(json_of(&d.learner), json_of(&LearnerConfig::default()));
+        assert_eq!((d.scenario.events, d.scenario.eval_items), (64, 60));
+        let bad = BenchFile::load(
+            None,
+            env(&[("HINDSIGHT_LEARNER__TRAINER__OPTIMIZER__LR", "1e-3x")]),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(bad.contains("learner.trainer.optimizer.lr"), "{bad}");
+        let unknown = BenchFile::load(None, env(&[("HINDSIGHT_SCENARIO__EVENT", "3")]))
+            .unwrap_err()
+            .to_string();
+        assert!(unknown.contains("unknown field `event`"), "{unknown}");
     }
 }

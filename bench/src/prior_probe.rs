@@ -1,8 +1,8 @@
 //! A likelihood probe of learning beyond the prior.
 //!
 //! Greedy exact match on 20 held-out tickets moves in 5-point steps, and a student that learns
-//! only the most common decision scores what the constant answer scores (see the README's
-//! learning-curve section). This probe is continuous and separates the two: on the tickets whose
+//! only the most common decision scores what the constant answer scores (bench/README.md, the
+//! learning-curve harness). This probe is continuous and separates the two: on the tickets whose
 //! correct decision is *not* the constant answer, it averages
 //! `log p(correct | prompt) − log p(constant | prompt)` under a model (base or adapter). Learning
 //! the prior alone moves it down (the constant answer gets likelier everywhere); it rises only if

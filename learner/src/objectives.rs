@@ -5,7 +5,7 @@
 //! LoRA weights through them) and the teacher's, the base model's and the logged behaviour's as
 //! plain data. Losses are returned per token (`[n]`) or per sequence (scalar) so the trainer
 //! decides how to weight and average them. Only ops with a backward pass are used (no
-//! `candle_nn::ops::softmax_last_dim`, no `sigmoid` fast path): see the crate README.
+//! `candle_nn::ops::softmax_last_dim`, no `sigmoid` fast path): see model/README.md.
 
 use candle_core::{DType, Tensor, D};
 use serde::{Deserialize, Serialize};
@@ -17,9 +17,10 @@ use crate::error::{LearnerError, Result};
 #[serde(rename_all = "snake_case")]
 pub enum Divergence {
     /// KL(teacher ‖ student): mass-covering; the student raises every token the teacher likes.
+    /// The default: it beat reverse KL on the simulated tickets (docs/experiments/).
+    #[default]
     ForwardKl,
     /// KL(student ‖ teacher): mode-seeking, as in on-policy distillation.
-    #[default]
     ReverseKl,
     /// Jensen–Shannon: symmetric and bounded by ln 2 per token.
     Jsd,

@@ -11,7 +11,7 @@ use crate::error::{ModelError, Result};
 pub enum Architecture {
     /// Llama 2/3, SmolLM/SmolLM2 (Llama layout, possibly tied embeddings).
     Llama,
-    /// Mistral (Llama layout; the sliding window is not applied, see README).
+    /// Mistral (Llama layout; the sliding window is not applied: model/README.md, known gaps).
     Mistral,
     /// Qwen2 (Llama layout plus biases on q, k and v).
     Qwen2,

@@ -149,8 +149,8 @@ pub const CPU_THREADS_VAR: &str = "RAYON_NUM_THREADS";
 ///
 /// Why: candle-core 0.11's CPU matmul asks for its thread count on every call, and without the
 /// variable that means reading and parsing `/proc/cpuinfo` each time (`num_cpus::get_physical`):
-/// a system call and kernel formatting per matrix product (measured in the README, "The CPU
-/// thread count is settled once per process"). With the variable set, the same call is an
+/// a system call and kernel formatting per matrix product (measured:
+/// docs/experiments/2026-12-02-cpu-thread-count.md). With the variable set, the same call is an
 /// environment lookup. The count is unchanged, so results are too.
 pub fn settle_cpu_threads() -> usize {
     match threads_set(std::env::var(CPU_THREADS_VAR).ok().as_deref()) {

@@ -116,11 +116,12 @@ pub struct LoraConfig {
     pub targets: Vec<LoraTarget>,
 }
 
+// Rank 8, alpha 16: what every learning curve was measured with (docs/experiments/).
 fn default_rank() -> usize {
-    16
+    8
 }
 fn default_alpha() -> f64 {
-    32.0
+    16.0
 }
 fn default_targets() -> Vec<LoraTarget> {
     LoraTarget::ALL.to_vec()

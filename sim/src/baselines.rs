@@ -339,7 +339,7 @@ pub async fn run_baselines(cfg: &BaselineConfig) -> Result<BaselineReport, EnvEr
     })
 }
 
-/// The table as Markdown (ready for the README).
+/// The table as Markdown (for sim/README.md).
 pub fn render_table(report: &BaselineReport) -> String {
     let mut out = String::new();
     let _ = writeln!(

@@ -42,7 +42,7 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// How the user message writes the records.
-        #[arg(long, value_enum, default_value = "json")]
+        #[arg(long, value_enum, default_value = "compact")]
         records: Records,
     },
 }
@@ -54,7 +54,7 @@ struct PromptArgs {
     variant: Variant,
     /// How single-turn tickets write the order and customer records: json (as the tools return
     /// them) or compact (one line each, no recent orders: ~30% shorter prompts).
-    #[arg(long, value_enum, default_value = "json")]
+    #[arg(long, value_enum, default_value = "compact")]
     records: Records,
     /// Ask for `<final_output>` tags instead of sending a response_format JSON schema.
     #[arg(long)]

@@ -25,12 +25,12 @@ pub enum Variant {
 pub enum Records {
     /// The records as the tools return them: JSON, every field, the customer's recent orders
     /// (user messages of ~230-315 tokens with the default model's tokenizer; prompts ~400).
-    #[default]
     Json,
     /// One line each, the same fields in words, without the customer's recent orders (which
     /// no rule reads) and the ids the ticket's header already gives (user messages of
-    /// ~150-170 tokens; prompts ~270): the "short prompts" variant for CPU-budget learning
-    /// runs.
+    /// ~150-170 tokens; prompts ~270). The default: every pass of serving and training is
+    /// ~30% cheaper, and the headline learning result was measured on it.
+    #[default]
     Compact,
 }
 
@@ -52,7 +52,7 @@ impl Default for PromptOptions {
     fn default() -> Self {
         Self {
             variant: Variant::Single,
-            records: Records::Json,
+            records: Records::default(),
             with_rules: false,
             response_format: true,
         }

@@ -3,7 +3,7 @@
 //! It consumes `hindsight.episodes` as a consumer group, turns records into examples
 //! ([`crate::example`]), micro-batches them by token budget, steps the trainer, checkpoints, and
 //! every N batches, M examples or T minutes snapshots a candidate adapter into the registry and
-//! publishes it through the eval gate ([`crate::publish`]).
+//! publishes it through the eval gate (`hindsight_control::publish`).
 //!
 //! **Exactly once.** A checkpoint holds the trainer and the Kafka position after the last record
 //! its state includes. Offsets are committed to Kafka only after the checkpoint is durable, and
@@ -24,7 +24,7 @@ use hindsight_feedback::{
     check_position, ensure_topics, now_ms, EpisodeRecord, LogError, Positions, RawRecord, Topic,
     TopicReader, ValidatedLogConfig,
 };
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::{info, info_span, warn, Instrument};
@@ -32,8 +32,8 @@ use uuid::Uuid;
 
 use crate::checkpoint::{CheckpointStore, LoopState};
 use crate::error::LearnerError;
-use crate::example::{build_example, ExampleConfig, SkipReason, TrainExample};
-use crate::trainer::{DistillTarget, StepReport, TeacherDecoding, Trainer, TrainerConfig};
+use crate::example::{build_example, SkipReason, TrainExample};
+use crate::trainer::{DistillTarget, StepReport, TeacherDecoding, Trainer};
 use hindsight_control::publish::{gate_and_publish, GateVerdict, PublishConfig, PublishError};
 use hindsight_control::registry::{
     sha256_file, NewVersion, OffsetRange, Registry, RegistryConfig, RegistryError, VersionEntry,
@@ -41,224 +41,12 @@ use hindsight_control::registry::{
 use hindsight_model::grammar::grammar_vocab;
 use hindsight_model::Adapter;
 use hindsight_model::ModelBundle;
-use hindsight_model::{DeviceSpec, WeightDType};
 
-/// The `[learner]` section.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LearnerConfig {
-    /// Base model: a `.gguf` file or an HF directory.
-    #[serde(default = "default_model_path")]
-    pub model_path: PathBuf,
-    /// Where the model trains: `cpu` (default), `cuda` or `cuda:N` (needs the `cuda` build).
-    #[serde(default)]
-    pub device: DeviceSpec,
-    /// dtype of the frozen base weights: `f32` (default) or, on a GPU, `bf16`/`f16`. Adapters
-    /// and optimizer state are f32 either way.
-    #[serde(default)]
-    pub dtype: WeightDType,
-    /// The base model's name at the serving endpoint (default: the file name without
-    /// `.gguf`, as `hindsight serve` names it).
-    #[serde(default)]
-    pub base_model_name: Option<String>,
-    /// The adapter this learner trains and publishes.
-    #[serde(default = "default_adapter_name")]
-    pub adapter_name: String,
-    /// Kafka consumer group (offsets are committed to it in both assignment modes).
-    #[serde(default = "default_group_id")]
-    pub group_id: String,
-    /// How the learner gets its partitions: `checkpoint` (default) reads every partition of
-    /// the episodes topic from the checkpoint's positions, with no group rebalance to wait for;
-    /// `group` joins `group_id` and reads from its committed offsets.
-    #[serde(default)]
-    pub assignment: Assignment,
-    /// What to do when the checkpoint's positions no longer refer to the episodes topic (the
-    /// broker was emptied, or the topic deleted and created again): `restart` (default) reads
-    /// the new topic from its beginning, `refuse` stops with an error naming the topic.
-    #[serde(default)]
-    pub on_replaced_topic: ReplacedTopic,
-    /// Checkpoint directory.
-    #[serde(default = "default_checkpoint_dir")]
-    pub checkpoint_dir: PathBuf,
-    /// Checkpoints kept.
-    #[serde(default = "default_keep_checkpoints")]
-    pub keep_checkpoints: usize,
-    /// JSONL run log (one line per batch, checkpoint, candidate); none when empty.
-    #[serde(default = "default_run_log")]
-    pub run_log: PathBuf,
-    /// Token budget of a micro-batch (sum of the forward passes' tokens).
-    #[serde(default = "default_token_budget")]
-    pub token_budget: usize,
-    /// Examples per micro-batch at most.
-    #[serde(default = "default_max_batch_examples")]
-    pub max_batch_examples: usize,
-    /// How long a partial micro-batch waits for more examples, in milliseconds.
-    #[serde(default = "default_max_batch_wait_ms")]
-    pub max_batch_wait_ms: u64,
-    /// Checkpoint (and commit offsets) every this many micro-batches.
-    #[serde(default = "one")]
-    pub checkpoint_every_batches: u64,
-    /// Snapshot a candidate every this many micro-batches (0 = never by batches).
-    #[serde(default = "default_candidate_every_batches")]
-    pub candidate_every_batches: u64,
-    /// Snapshot a candidate every this many trained examples (0 = never by examples).
-    #[serde(default)]
-    pub candidate_every_examples: u64,
-    /// Snapshot a candidate at least this often while training, in milliseconds (0 = never).
-    #[serde(default = "default_candidate_every_ms")]
-    pub candidate_every_ms: u64,
-    /// Data from an adapter more than this many versions behind live is dropped.
-    #[serde(default = "default_max_staleness_versions")]
-    pub max_staleness_versions: u64,
-    /// Extra optimizer steps after each new micro-batch, each on a micro-batch drawn from the
-    /// replay buffer of earlier trained examples (0 = every example is trained once).
-    /// Production feedback is scarce and each event yields one example, so a few passes over
-    /// recent ones are how a handful of critiques becomes a rule. Replayed examples keep their
-    /// logged behaviour log-probs (the importance ratio is clipped) and are re-taught by the
-    /// current EMA teacher.
-    #[serde(default)]
-    pub replay_steps_per_batch: usize,
-    /// Most recent trained examples kept for replay. In memory only: a restarted learner
-    /// starts with an empty buffer (exactly-once applies to new records; replay is extra).
-    #[serde(default = "default_replay_buffer_examples")]
-    pub replay_buffer_examples: usize,
-    /// Also buffer for replay the examples a step learned nothing from
-    /// ([`crate::trainer::StepReport::unlearned`], e.g. edit targets below the confidence
-    /// floor); by default they stay out, so replay slots go to examples with something to learn.
-    #[serde(default)]
-    pub replay_unlearned: bool,
-    /// Stop after this many trained examples (benchmarks and tests; none = run until stopped).
-    #[serde(default)]
-    pub max_examples: Option<u64>,
-    /// Stop after this many episode records (trained or skipped) have been consumed.
-    #[serde(default)]
-    pub max_records: Option<u64>,
-    /// The trainer.
-    #[serde(default)]
-    pub trainer: TrainerConfig,
-    /// Example building.
-    #[serde(default)]
-    pub examples: ExampleConfig,
-}
+mod config;
+#[cfg(test)]
+mod tests;
 
-/// How the learner is given the episodes topic's partitions.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Assignment {
-    /// Own every partition and start where the checkpoint says (partitions it does not name:
-    /// the group's committed offset, else the earliest). The checkpoint is the source of truth,
-    /// so a restart reads at once, and commits are advisory (a failed commit is logged).
-    #[default]
-    Checkpoint,
-    /// Join the consumer group and read from its committed offsets. A restart within the
-    /// previous member's session timeout may wait for the rebalance (tansu can hand out an
-    /// empty assignment until the old member expires).
-    Group,
-}
-
-/// The policy for checkpoint positions that no longer refer to the topic they were saved on.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ReplacedTopic {
-    /// Forget the stale positions (with a warning naming the partition and why) and read the
-    /// new topic from its beginning; the trained weights are kept.
-    #[default]
-    Restart,
-    /// Stop with an error: an operator decides (move the checkpoint away, or point the
-    /// learner at the old topic).
-    Refuse,
-}
-
-fn default_model_path() -> PathBuf {
-    PathBuf::from(hindsight_model::DEFAULT_MODEL_FILE)
-}
-fn default_adapter_name() -> String {
-    "hindsight".into()
-}
-fn default_group_id() -> String {
-    "hindsight-learner".into()
-}
-fn default_checkpoint_dir() -> PathBuf {
-    PathBuf::from("data/learner")
-}
-fn default_keep_checkpoints() -> usize {
-    2
-}
-fn default_run_log() -> PathBuf {
-    PathBuf::from("data/learner/run.jsonl")
-}
-fn default_token_budget() -> usize {
-    4096
-}
-fn default_max_batch_examples() -> usize {
-    8
-}
-fn default_max_batch_wait_ms() -> u64 {
-    2_000
-}
-fn one() -> u64 {
-    1
-}
-fn default_candidate_every_batches() -> u64 {
-    50
-}
-fn default_candidate_every_ms() -> u64 {
-    600_000
-}
-fn default_max_staleness_versions() -> u64 {
-    3
-}
-fn default_replay_buffer_examples() -> usize {
-    256
-}
-
-impl Default for LearnerConfig {
-    fn default() -> Self {
-        // Every field has a serde default.
-        serde_json::from_value(json!({})).unwrap_or_else(|_| unreachable_default())
-    }
-}
-
-#[allow(clippy::panic)]
-fn unreachable_default() -> LearnerConfig {
-    // Only reachable if a serde default above were removed; caught by the unit test.
-    panic!("LearnerConfig has a field without a default")
-}
-
-impl LearnerConfig {
-    /// Checks the settings once at start-up.
-    pub fn validate(&self) -> Result<(), OnlineError> {
-        let bad = |m: &str| Err(OnlineError::Config(m.to_string()));
-        if self.adapter_name.is_empty() || self.adapter_name.contains(['/', '@', ' ']) {
-            return bad("adapter_name must be non-empty without '/', '@' or spaces");
-        }
-        if self.group_id.is_empty() {
-            return bad("group_id must not be empty");
-        }
-        if self.token_budget == 0 || self.max_batch_examples == 0 {
-            return bad("token_budget and max_batch_examples must be >= 1");
-        }
-        if self.checkpoint_every_batches == 0 {
-            return bad("checkpoint_every_batches must be >= 1");
-        }
-        if self.replay_steps_per_batch > 0 && self.replay_buffer_examples == 0 {
-            return bad("replay_buffer_examples must be >= 1 when replay_steps_per_batch > 0");
-        }
-        self.trainer.check()?;
-        Ok(())
-    }
-
-    fn served_base_name(&self) -> String {
-        self.base_model_name.clone().unwrap_or_else(|| {
-            let stem = self
-                .model_path
-                .file_name()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            stem.strip_suffix(".gguf").unwrap_or(&stem).to_string()
-        })
-    }
-}
+pub use config::{Assignment, LearnerArgs, LearnerConfig, LearnerFile, ReplacedTopic};
 
 /// Everything that stops the learner.
 #[derive(Debug, thiserror::Error)]
@@ -488,19 +276,24 @@ impl RunLog {
     }
 }
 
-/// Runs the learner until `shutdown` resolves or a configured limit is reached. Events go to
-/// `events` when given; `control` takes commands (e.g. snapshot now).
-pub async fn run_learner(
-    setup: LearnerSetup,
-    shutdown: impl Future<Output = ()>,
-    events: Option<mpsc::UnboundedSender<LearnerEvent>>,
-    mut control: Option<mpsc::UnboundedReceiver<LearnerControl>>,
-) -> Result<LearnerSummary, OnlineError> {
-    let cfg = setup.learner.clone();
-    cfg.validate()?;
-    let started = Instant::now();
-    let mut run_log = RunLog::open(&cfg.run_log)?;
+/// What the loop starts from: the model's tokenizer and template, the registry, and the
+/// trainer and loop state restored from the latest checkpoint (else from the live adapter,
+/// else fresh).
+struct Resumed {
+    tokenizer: tokenizers::Tokenizer,
+    template: hindsight_model::ChatTemplate,
+    end_of_turn: u32,
+    registry: Option<Registry>,
+    base_sha: String,
+    store: CheckpointStore,
+    state: LoopState,
+    trainer: Trainer,
+}
 
+/// The start-up stage: loads the model, connects the registry, builds the trainer and restores
+/// the latest checkpoint into it.
+async fn resume(setup: &LearnerSetup) -> Result<Resumed, OnlineError> {
+    let cfg = &setup.learner;
     // The model, loaded once, in the configured dtype on the configured device (never the
     // quantized inference copies).
     let model_path = cfg.model_path.clone();
@@ -585,6 +378,40 @@ pub async fn run_learner(
     if let Some(entry) = &live {
         state.live_version = Some(state.live_version.unwrap_or(0).max(entry.version));
     }
+    Ok(Resumed {
+        tokenizer,
+        template,
+        end_of_turn,
+        registry,
+        base_sha,
+        store,
+        state,
+        trainer,
+    })
+}
+
+/// Runs the learner until `shutdown` resolves or a configured limit is reached. Events go to
+/// `events` when given; `control` takes commands (e.g. snapshot now).
+pub async fn run_learner(
+    setup: LearnerSetup,
+    shutdown: impl Future<Output = ()>,
+    events: Option<mpsc::UnboundedSender<LearnerEvent>>,
+    mut control: Option<mpsc::UnboundedReceiver<LearnerControl>>,
+) -> Result<LearnerSummary, OnlineError> {
+    let cfg = setup.learner.clone();
+    cfg.validate()?;
+    let started = Instant::now();
+    let mut run_log = RunLog::open(&cfg.run_log)?;
+    let Resumed {
+        tokenizer,
+        template,
+        end_of_turn,
+        registry,
+        base_sha,
+        store,
+        mut state,
+        trainer,
+    } = resume(&setup).await?;
     run_log.write(json!({
         "event": "start",
         "checkpoint_seq": state.seq,
@@ -1227,167 +1054,4 @@ async fn candidate(
         verdict,
         status,
     })
-}
-
-/// `hindsight learner` arguments.
-#[derive(Debug, clap::Args)]
-pub struct LearnerArgs {
-    /// TOML config with `[log]`, `[learner]`, `[registry]` and `[publish]` sections (env:
-    /// HINDSIGHT_LEARNER__*, HINDSIGHT_REGISTRY__*, HINDSIGHT_PUBLISH__*, HINDSIGHT_LOG__*).
-    #[arg(long, short = 'c')]
-    pub config: Option<PathBuf>,
-}
-
-/// The config file of `hindsight learner`.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LearnerFile {
-    /// Kafka.
-    #[serde(default)]
-    pub log: hindsight_feedback::LogConfig,
-    /// The loop and trainer.
-    #[serde(default)]
-    pub learner: LearnerConfig,
-    /// The registry (candidates are not kept without it).
-    #[serde(default)]
-    pub registry: Option<RegistryConfig>,
-    /// Publishing (candidates are only registered without it).
-    #[serde(default)]
-    pub publish: Option<PublishConfig>,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn defaults_are_valid_and_unknown_fields_refused() {
-        let cfg = LearnerConfig::default();
-        cfg.validate().unwrap();
-        assert_eq!(cfg.served_base_name(), "SmolLM2-135M-Instruct.Q4_1");
-        assert!(serde_json::from_value::<LearnerConfig>(json!({"token_budgt": 3})).is_err());
-        let bad = LearnerConfig {
-            adapter_name: "a@b".into(),
-            ..Default::default()
-        };
-        assert!(bad.validate().is_err());
-        let no_buffer = LearnerConfig {
-            replay_steps_per_batch: 2,
-            replay_buffer_examples: 0,
-            ..Default::default()
-        };
-        assert!(no_buffer.validate().is_err());
-    }
-
-    #[test]
-    fn the_replay_buffer_keeps_what_was_learned_from_and_drops_the_oldest() {
-        let ex = |i: u32| TrainExample {
-            record_id: Uuid::from_u128(u128::from(i)),
-            turn: Uuid::from_u128(u128::from(i)),
-            route: "r".into(),
-            adapter: None,
-            context_ids: vec![1],
-            answer_ids: vec![2],
-            behaviour_logprobs: None,
-            teacher_context_ids: None,
-            control_context_ids: None,
-            correction_ids: None,
-            answer_format: None,
-            thumbs: None,
-            reward: None,
-            feedback_text: None,
-            feedback_ids: vec![],
-        };
-        let ids = |r: &VecDeque<TrainExample>| -> Vec<u128> {
-            r.iter().map(|e| e.record_id.as_u128()).collect()
-        };
-        let mut replay = VecDeque::new();
-        let unlearned = [Uuid::from_u128(2)];
-        assert_eq!(
-            remember_for_replay(&mut replay, vec![ex(1), ex(2), ex(3)], &unlearned, 3),
-            2
-        );
-        assert_eq!(ids(&replay), vec![1, 3], "the unlearned example stays out");
-        assert_eq!(
-            remember_for_replay(&mut replay, vec![ex(4), ex(5)], &[], 3),
-            2
-        );
-        assert_eq!(ids(&replay), vec![3, 4, 5], "oldest out beyond the cap");
-    }
-
-    #[test]
-    fn replay_draws_distinct_indices_deterministically_and_covers_the_buffer() {
-        for len in [1usize, 2, 5, 40] {
-            for n in [1usize, 3, 8] {
-                let a = replay_indices(len, n, 42);
-                assert_eq!(a, replay_indices(len, n, 42));
-                assert_eq!(a.len(), n.min(len));
-                let mut sorted = a.clone();
-                sorted.sort_unstable();
-                sorted.dedup();
-                assert_eq!(sorted.len(), a.len(), "duplicates in {a:?}");
-                assert!(a.iter().all(|&i| i < len));
-            }
-        }
-        // A batch's draw for all its replay steps: distinct up to the buffer's size, then
-        // balanced passes (each index at most once more than any other).
-        assert!(replay_draw(0, 4, 7).is_empty());
-        for (len, n) in [(1usize, 4usize), (3, 2), (3, 7), (10, 10)] {
-            let d = replay_draw(len, n, 7);
-            assert_eq!(d.len(), n);
-            let mut counts = vec![0usize; len];
-            for &i in &d {
-                counts[i] += 1;
-            }
-            let (lo, hi) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
-            assert!(hi - lo <= 1, "unbalanced draw {len} {n}: {d:?}");
-            if n <= len {
-                assert!(*hi == 1, "repeat within one draw: {d:?}");
-            }
-        }
-        // Over many keys every slot of the buffer gets drawn, roughly evenly.
-        let mut hits = [0usize; 10];
-        for key in 0..2000u64 {
-            hits[replay_indices(10, 1, mix(key))[0]] += 1;
-        }
-        assert!(hits.iter().all(|&h| (120..=280).contains(&h)), "{hits:?}");
-    }
-
-    /// The documented example parses, and its `[learner]` values are the defaults it claims.
-    #[test]
-    fn example_config_parses_and_shows_the_defaults() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../deploy/learner.example.toml"
-        );
-        let text = std::fs::read_to_string(path).unwrap();
-        let file: LearnerFile = parse_example(&text);
-        let shown = serde_json::to_value(&file.learner).unwrap();
-        let default = serde_json::to_value(LearnerConfig::default()).unwrap();
-        assert_eq!(
-            shown, default,
-            "deploy/learner.example.toml drifted from the defaults"
-        );
-        file.learner.validate().unwrap();
-        assert!(file.registry.is_some() && file.publish.is_some());
-    }
-
-    fn parse_example(text: &str) -> LearnerFile {
-        // The binary reads it through hindsight_proxy::load_toml (same TOML crate, same serde).
-        let value: serde_json::Value = toml_to_json(text);
-        serde_json::from_value(value).unwrap()
-    }
-
-    fn toml_to_json(text: &str) -> serde_json::Value {
-        let table: toml::Table = text.parse().unwrap();
-        serde_json::to_value(table).unwrap()
-    }
-
-    #[test]
-    fn positions_round_trip_through_keys() {
-        let mut m = BTreeMap::new();
-        m.insert(key("hindsight.episodes", 3), 17);
-        let p = to_positions(&m);
-        assert_eq!(p[&("hindsight.episodes".to_string(), 3)], 17);
-    }
 }
