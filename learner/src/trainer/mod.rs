@@ -177,6 +177,16 @@ impl std::fmt::Debug for Trainer {
     }
 }
 
+/// What the dense-reward term of one example yields besides its loss.
+struct DenseTerm {
+    loss: Tensor,
+    gap_sum: f64,
+    gap_n: usize,
+    advantages: Vec<f32>,
+    clip_fraction: f64,
+    baseline_update: Option<(String, f64)>,
+}
+
 /// One forward's quantities at the answer positions.
 #[derive(Clone)]
 struct AnswerPass {
@@ -506,7 +516,6 @@ impl Trainer {
             return Err(LearnerError::InvalidArgument("empty micro-batch".into()));
         }
         let w = self.cfg.objectives;
-        let dev = self.model.device().clone();
         let mut report = StepReport {
             examples: batch.len(),
             ..Default::default()
@@ -581,12 +590,10 @@ impl Trainer {
                 };
                 let base = base_pass.as_ref().map(|b| b.logprobs.clone());
                 if let Some(bp) = &base_pass {
-                    let kl = mean(&kl_exact(&student.logits, &bp.logits)?)?;
-                    let kl_val = kl.to_scalar::<f32>()? as f64;
+                    let (kl_val, penalty) = self.kl_guard(&student.logits, &bp.logits)?;
                     kl_sum += kl_val;
                     kl_n += 1;
-                    if self.cfg.kl_penalty > 0.0 && kl_val > self.cfg.kl_budget {
-                        let pen = ((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?;
+                    if let Some(pen) = penalty {
                         note("kl_penalty", pen.to_scalar::<f32>()? as f64);
                         push(&mut total, pen)?;
                     }
@@ -698,58 +705,21 @@ impl Trainer {
                 }
 
                 if w.dense > 0.0 && (teacher.is_some() || ex.reward.is_some()) {
-                    let scalar_adv = match ex.reward {
-                        Some(r) => {
-                            let b = self.state.baselines.get(&ex.route).copied().unwrap_or(0.0);
-                            baseline_updates.push((ex.route.clone(), r));
-                            r - b
-                        }
-                        None => 0.0,
-                    };
-                    let adv = match &teacher {
-                        Some(t) => {
-                            let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
-                            for (a, b) in t_lp.iter().zip(&s_lp) {
-                                gap_sum += (*a - *b) as f64;
-                                gap_n += 1;
-                            }
-                            dense_advantages(&t_lp, &s_lp, scalar_adv, self.cfg.gap_clip)
-                        }
-                        None => vec![scalar_adv as f32; n],
-                    };
-                    advs.extend_from_slice(&adv);
-                    let behaviour = ex.behaviour_logprobs.as_ref().map(|b| {
-                        // Unknown entries (NaN) are treated as on-policy: ratio 1.
-                        b.iter()
-                            .zip(&s_lp)
-                            .map(|(x, s)| if x.is_finite() { *x } else { *s })
-                            .collect::<Vec<f32>>()
-                    });
-                    let behaviour = match behaviour {
-                        Some(b) => Some(Tensor::from_vec(b, n, &dev)?),
-                        None => None,
-                    };
-                    let adv = Tensor::from_vec(adv, n, &dev)?;
-                    let (pg, stats) = pg_loss(
-                        &student.logprobs,
-                        behaviour.as_ref(),
-                        &adv,
-                        self.cfg.ratio_clip,
-                    )?;
-                    clip_sum += stats.clip_fraction;
+                    let d = self.dense_term(ex, &student, teacher.as_ref(), &s_lp)?;
+                    gap_sum += d.gap_sum;
+                    gap_n += d.gap_n;
+                    advs.extend_from_slice(&d.advantages);
+                    clip_sum += d.clip_fraction;
                     clip_n += 1;
-                    let pg = mean(&pg)?;
-                    note("dense", pg.to_scalar::<f32>()? as f64);
-                    push(&mut total, (pg * w.dense)?)?;
+                    baseline_updates.extend(d.baseline_update);
+                    note("dense", d.loss.to_scalar::<f32>()? as f64);
+                    push(&mut total, (d.loss * w.dense)?)?;
                     learned = true;
                 }
 
                 if let (Some(up), Some(base_lp), true) = (ex.thumbs, &base, w.kto > 0.0) {
-                    let seq = student.logprobs.sum_all()?;
-                    let reference = base_lp.sum_all()?.to_scalar::<f32>()? as f64;
-                    let r = seq.to_scalar::<f32>()? as f64 - reference;
-                    z_updates.push(r.max(0.0));
-                    let k = kto_loss(&seq, reference, up, self.state.kto_z, &self.cfg.kto)?;
+                    let (k, z) = self.kto_term(&student, base_lp, up)?;
+                    z_updates.push(z);
                     note("kto", k.to_scalar::<f32>()? as f64);
                     push(&mut total, (k * w.kto)?)?;
                     learned = true;
@@ -773,12 +743,10 @@ impl Trainer {
                 };
                 if let Some(policy_logits) = policy_logits {
                     let base_logits = self.base_pass(ex, corr, &mut report.tokens)?.logits;
-                    let kl = mean(&kl_exact(&policy_logits, &base_logits)?)?;
-                    let kl_val = kl.to_scalar::<f32>()? as f64;
+                    let (kl_val, penalty) = self.kl_guard(&policy_logits, &base_logits)?;
                     kl_sum += kl_val;
                     kl_n += 1;
-                    if kl_val > self.cfg.kl_budget {
-                        let pen = ((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?;
+                    if let Some(pen) = penalty {
                         note("kl_penalty", pen.to_scalar::<f32>()? as f64);
                         push(&mut total, pen)?;
                     }
@@ -852,10 +820,107 @@ impl Trainer {
         if non_finite || !report.loss.is_finite() {
             return Ok(self.refuse(report, "non-finite loss", started));
         }
+        self.apply_update(report, acc, &vars, started)
+    }
+
+    /// The KL guard at one answer's positions: the mean exact KL(policy ‖ base) per position
+    /// and, above the budget (with the guard on), the penalty term.
+    fn kl_guard(&self, policy: &Tensor, base: &Tensor) -> Result<(f64, Option<Tensor>)> {
+        let kl = mean(&kl_exact(policy, base)?)?;
+        let value = kl.to_scalar::<f32>()? as f64;
+        let penalty = if self.cfg.kl_penalty > 0.0 && value > self.cfg.kl_budget {
+            Some(((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?)
+        } else {
+            None
+        };
+        Ok((value, penalty))
+    }
+
+    /// The dense-reward policy-gradient term of one example: per-token advantages from the
+    /// teacher/student gap on the logged tokens (when a teacher ran) plus the scalar feedback
+    /// against the route's running baseline, importance-weighted against the behaviour
+    /// log-probs and clipped.
+    fn dense_term(
+        &self,
+        ex: &TrainExample,
+        student: &AnswerPass,
+        teacher: Option<&AnswerPass>,
+        s_lp: &[f32],
+    ) -> Result<DenseTerm> {
+        let n = ex.answer_ids.len();
+        let dev = self.model.device();
+        let (scalar_adv, baseline_update) = match ex.reward {
+            Some(r) => {
+                let b = self.state.baselines.get(&ex.route).copied().unwrap_or(0.0);
+                (r - b, Some((ex.route.clone(), r)))
+            }
+            None => (0.0, None),
+        };
+        let (mut gap_sum, mut gap_n) = (0.0, 0usize);
+        let advantages = match teacher {
+            Some(t) => {
+                let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
+                for (a, b) in t_lp.iter().zip(s_lp) {
+                    gap_sum += (*a - *b) as f64;
+                    gap_n += 1;
+                }
+                dense_advantages(&t_lp, s_lp, scalar_adv, self.cfg.gap_clip)
+            }
+            None => vec![scalar_adv as f32; n],
+        };
+        // Unknown behaviour entries (NaN) are treated as on-policy: ratio 1.
+        let behaviour = match &ex.behaviour_logprobs {
+            Some(b) => Some(Tensor::from_vec(
+                b.iter()
+                    .zip(s_lp)
+                    .map(|(x, s)| if x.is_finite() { *x } else { *s })
+                    .collect::<Vec<f32>>(),
+                n,
+                dev,
+            )?),
+            None => None,
+        };
+        let adv = Tensor::from_vec(advantages.clone(), n, dev)?;
+        let (pg, stats) = pg_loss(
+            &student.logprobs,
+            behaviour.as_ref(),
+            &adv,
+            self.cfg.ratio_clip,
+        )?;
+        Ok(DenseTerm {
+            loss: mean(&pg)?,
+            gap_sum,
+            gap_n,
+            advantages,
+            clip_fraction: stats.clip_fraction,
+            baseline_update,
+        })
+    }
+
+    /// The KTO term of one thumbed example against the base model's log-probs of the same
+    /// tokens, with the reward (for the running reference point z) it observed.
+    fn kto_term(&self, student: &AnswerPass, base_lp: &Tensor, up: bool) -> Result<(Tensor, f64)> {
+        let seq = student.logprobs.sum_all()?;
+        let reference = base_lp.sum_all()?.to_scalar::<f32>()? as f64;
+        let r = seq.to_scalar::<f32>()? as f64 - reference;
+        let k = kto_loss(&seq, reference, up, self.state.kto_z, &self.cfg.kto)?;
+        Ok((k, r.max(0.0)))
+    }
+
+    /// The update of a step whose loss is finite: the accumulated per-example gradients,
+    /// clipped, through AdamW, the weights checked (a non-finite result is rolled back), then the
+    /// teacher's EMA move.
+    fn apply_update(
+        &mut self,
+        mut report: StepReport,
+        acc: Vec<Option<Tensor>>,
+        vars: &[candle_core::Var],
+        started: Instant,
+    ) -> Result<StepReport> {
         // A gradient store holding only the adapter's variables (a zero-valued graph over them),
         // then filled with the accumulated gradients.
         let mut zero: Option<Tensor> = None;
-        for v in &vars {
+        for v in vars {
             let z = (v.as_tensor().sum_all()? * 0.0)?;
             zero = Some(match zero.take() {
                 Some(a) => (a + z)?,
@@ -870,7 +935,7 @@ impl Trainer {
                 ))
             }
         };
-        for (slot, var) in acc.into_iter().zip(&vars) {
+        for (slot, var) in acc.into_iter().zip(vars) {
             match slot {
                 Some(g) => {
                     grads.insert(var.as_tensor(), g);
