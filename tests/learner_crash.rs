@@ -164,7 +164,8 @@ struct Produced {
     no_answer: BTreeSet<Uuid>,
 }
 
-async fn produce(log: &LogConfig) -> Produced {
+/// The episodes topic (created with one partition) and a producer for it.
+async fn episodes_producer(log: &LogConfig) -> (String, FutureProducer) {
     let log = log.clone().validate().unwrap();
     let topic = log.topics().get(Topic::Episodes).to_string();
     ensure_topics(
@@ -183,6 +184,11 @@ async fn produce(log: &LogConfig) -> Produced {
         .set("message.timeout.ms", "20000")
         .create()
         .unwrap();
+    (topic, producer)
+}
+
+async fn produce(log: &LogConfig) -> Produced {
+    let (topic, producer) = episodes_producer(log).await;
 
     let mut records = Vec::new();
     let mut trainable = BTreeSet::new();
@@ -675,23 +681,7 @@ dense = 0.0
 
 /// Writes `n` trainable episodes (questions `first..first + n`) to the episodes topic, in order.
 async fn produce_episodes(log: &LogConfig, first: usize, n: usize) -> Vec<Uuid> {
-    let log = log.clone().validate().unwrap();
-    let topic = log.topics().get(Topic::Episodes).to_string();
-    ensure_topics(
-        &log.client_config(),
-        std::slice::from_ref(&topic),
-        1,
-        1,
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    let producer: FutureProducer = log
-        .client_config()
-        .set("acks", "all")
-        .set("message.timeout.ms", "20000")
-        .create()
-        .unwrap();
+    let (topic, producer) = episodes_producer(log).await;
     let mut ids = Vec::new();
     for i in first..first + n {
         let rec = episode(i, true);

@@ -177,6 +177,12 @@ impl std::fmt::Debug for Trainer {
     }
 }
 
+/// SFT's term of one example and, when it measured the KL guard, the KL and its penalty.
+struct SftTerm {
+    loss: Tensor,
+    guard: Option<(f64, Option<Tensor>)>,
+}
+
 /// What the dense-reward term of one example yields besides its loss.
 struct DenseTerm {
     loss: Tensor,
@@ -727,23 +733,8 @@ impl Trainer {
             }
 
             if let (Some(corr), true) = (&ex.correction_ids, w.sft > 0.0) {
-                report.tokens += match &student_prompt {
-                    Some(_) => corr.len(),
-                    None => ex.context_ids.len() + corr.len(),
-                };
-                let guard_here = !needs_student && self.cfg.kl_penalty > 0.0;
-                // A pure-SFT example measures its KL guard at the correction's positions, so its
-                // pass keeps the logits (`[n, V]`, a few MB); otherwise the fused cross-entropy.
-                let (ce, policy_logits) = if guard_here {
-                    let pass = self.policy_pass(&ex.context_ids, corr)?;
-                    (pass.logprobs.neg()?, Some(pass.logits))
-                } else {
-                    let prompt = student_prompt.as_ref();
-                    (self.sft_token_ce(prompt, &ex.context_ids, corr)?, None)
-                };
-                if let Some(policy_logits) = policy_logits {
-                    let base_logits = self.base_pass(ex, corr, &mut report.tokens)?.logits;
-                    let (kl_val, penalty) = self.kl_guard(&policy_logits, &base_logits)?;
+                let sft = self.sft_term(ex, corr, student_prompt.as_ref(), &mut report.tokens)?;
+                if let Some((kl_val, penalty)) = sft.guard {
                     kl_sum += kl_val;
                     kl_n += 1;
                     if let Some(pen) = penalty {
@@ -751,9 +742,8 @@ impl Trainer {
                         push(&mut total, pen)?;
                     }
                 }
-                let l = mean(&ce)?;
-                note("sft", l.to_scalar::<f32>()? as f64);
-                push(&mut total, (l * w.sft)?)?;
+                note("sft", sft.loss.to_scalar::<f32>()? as f64);
+                push(&mut total, (sft.loss * w.sft)?)?;
                 learned = true;
             }
 
@@ -821,6 +811,37 @@ impl Trainer {
             return Ok(self.refuse(report, "non-finite loss", started));
         }
         self.apply_update(report, acc, &vars, started)
+    }
+
+    /// SFT on a correction: the mean token cross-entropy after the policy's prompt (run once
+    /// for the example when its other passes ran it). An example only SFT learns from measures
+    /// its KL guard here, at the correction's positions, so its pass keeps the logits (`[n, V]`,
+    /// a few MB); otherwise the fused cross-entropy.
+    fn sft_term(
+        &mut self,
+        ex: &TrainExample,
+        corr: &[u32],
+        student_prompt: Option<&KvCache>,
+        tokens: &mut usize,
+    ) -> Result<SftTerm> {
+        *tokens += match student_prompt {
+            Some(_) => corr.len(),
+            None => ex.context_ids.len() + corr.len(),
+        };
+        if student_prompt.is_none() && self.cfg.kl_penalty > 0.0 {
+            let pass = self.policy_pass(&ex.context_ids, corr)?;
+            let base_logits = self.base_pass(ex, corr, tokens)?.logits;
+            Ok(SftTerm {
+                loss: mean(&pass.logprobs.neg()?)?,
+                guard: Some(self.kl_guard(&pass.logits, &base_logits)?),
+            })
+        } else {
+            let ce = self.sft_token_ce(student_prompt, &ex.context_ids, corr)?;
+            Ok(SftTerm {
+                loss: mean(&ce)?,
+                guard: None,
+            })
+        }
     }
 
     /// The KL guard at one answer's positions: the mean exact KL(policy ‖ base) per position
