@@ -43,7 +43,7 @@ use hindsight_model::ops;
 use hindsight_model::{Adapter, AdapterSelection, LoraInit};
 use hindsight_model::{BatchLayout, KvCache, Model};
 pub use teacher::{EditPreview, TeacherAnswerCounts, TeacherDecoding};
-use teacher::{TeacherPrompts, TeacherWork};
+use teacher::{TeacherPrompts, TeacherTarget, TeacherWork};
 
 /// What one step did (also the JSONL run-log line and the metrics).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -174,6 +174,63 @@ impl std::fmt::Debug for Trainer {
             .field("cfg", &self.cfg)
             .field("state", &self.state)
             .finish_non_exhaustive()
+    }
+}
+
+/// What a step accumulates over its examples besides the gradients.
+#[derive(Default)]
+struct StepStats {
+    term_sums: BTreeMap<String, f64>,
+    applied: BTreeMap<String, usize>,
+    kl_sum: f64,
+    kl_n: usize,
+    gap_sum: f64,
+    gap_n: usize,
+    advs: Vec<f32>,
+    clip_sum: f64,
+    clip_n: usize,
+    z_updates: Vec<f64>,
+    baseline_updates: Vec<(String, f64)>,
+    teacher_counts: Option<TeacherAnswerCounts>,
+}
+
+impl StepStats {
+    /// One example's value of a loss term.
+    fn note(&mut self, name: &str, v: f64) {
+        *self.term_sums.entry(name.to_string()).or_default() += v;
+        *self.applied.entry(name.to_string()).or_default() += 1;
+    }
+
+    /// Writes the means into `report`; returns the running statistics' observations (route
+    /// rewards for the baselines, KTO rewards for its reference point).
+    fn into_report(self, report: &mut StepReport) -> (Vec<(String, f64)>, Vec<f64>) {
+        report.kl_to_base = if self.kl_n > 0 {
+            self.kl_sum / self.kl_n as f64
+        } else {
+            0.0
+        };
+        report.teacher_student_gap = (self.gap_n > 0).then(|| self.gap_sum / self.gap_n as f64);
+        if !self.advs.is_empty() {
+            let len = self.advs.len() as f64;
+            let m = self.advs.iter().map(|x| *x as f64).sum::<f64>() / len;
+            let var = self
+                .advs
+                .iter()
+                .map(|x| (*x as f64 - m).powi(2))
+                .sum::<f64>()
+                / len;
+            report.advantage_mean = Some(m);
+            report.advantage_std = Some(var.sqrt());
+        }
+        report.clip_fraction = (self.clip_n > 0).then(|| self.clip_sum / self.clip_n as f64);
+        report.teacher_answers = self.teacher_counts;
+        report.terms = self
+            .term_sums
+            .iter()
+            .map(|(k, v)| (k.clone(), v / self.applied[k] as f64))
+            .collect();
+        report.applied = self.applied;
+        (self.baseline_updates, self.z_updates)
     }
 }
 
@@ -534,18 +591,7 @@ impl Trainer {
         let mut acc: Vec<Option<Tensor>> = vec![None; vars.len()];
         let (mut loss_sum, mut any_loss, mut non_finite) = (0.0f64, false, false);
         let mut total: Option<Tensor> = None;
-        let mut term_sums: BTreeMap<String, f64> = BTreeMap::new();
-        let mut applied: BTreeMap<String, usize> = BTreeMap::new();
-        let mut note = |name: &str, v: f64| {
-            *term_sums.entry(name.to_string()).or_default() += v;
-            *applied.entry(name.to_string()).or_default() += 1;
-        };
-        let (mut kl_sum, mut kl_n, mut gap_sum, mut gap_n) = (0.0, 0usize, 0.0, 0usize);
-        let mut advs: Vec<f32> = Vec::new();
-        let (mut clip_sum, mut clip_n) = (0.0, 0usize);
-        let mut z_updates = Vec::new();
-        let mut baseline_updates = Vec::new();
-        let mut teacher_counts: Option<TeacherAnswerCounts> = None;
+        let mut stats = StepStats::default();
 
         for ex in batch {
             if ex.context_ids.is_empty() || ex.answer_ids.is_empty() {
@@ -597,79 +643,23 @@ impl Trainer {
                 let base = base_pass.as_ref().map(|b| b.logprobs.clone());
                 if let Some(bp) = &base_pass {
                     let (kl_val, penalty) = self.kl_guard(&student.logits, &bp.logits)?;
-                    kl_sum += kl_val;
-                    kl_n += 1;
+                    stats.kl_sum += kl_val;
+                    stats.kl_n += 1;
                     if let Some(pen) = penalty {
-                        note("kl_penalty", pen.to_scalar::<f32>()? as f64);
+                        stats.note("kl_penalty", pen.to_scalar::<f32>()? as f64);
                         push(&mut total, pen)?;
                     }
                 }
 
-                // Teacher: the EMA policy shown the feedback, on the same answer tokens. With
-                // `distill_target = teacher` the teacher first decodes its own answer (and this
-                // pass is only needed when that fails or for dense rewards); with `edit` this
-                // pass says which fields the feedback speaks against.
-                let target = self.cfg.distill_target;
-                let teacher_pass = |tr: &Self| -> Result<AnswerPass> {
-                    tr.teacher_pass_after(
-                        &mut TeacherPrompts::default(),
-                        ex.teacher_context_ids.as_deref().unwrap_or_default(),
-                        &ex.answer_ids,
-                    )
-                };
-                let mut teacher = None;
-                // A target (own answer or edit) the teacher is not confident in: no distillation
-                // here.
-                let mut unconfident = false;
-                // Per token of the answer distilled on: 0 on doubtful field values
-                // (`min_field_logprob`).
-                let mut weights = None;
-                let own = match &ex.teacher_context_ids {
-                    Some(tctx) if w.distill > 0.0 && target != DistillTarget::Logged => {
-                        let cacheable = self.caches_teacher_work(ex);
-                        let hit = cacheable
-                            .then(|| self.cache.get(ex.record_id, &ex.answer_ids).cloned())
-                            .flatten();
-                        let c = teacher_counts.get_or_insert_with(Default::default);
-                        let work = match hit {
-                            Some(work) => {
-                                c.cached += 1;
-                                debug!(record = %ex.record_id, "The frozen teacher's target, from the cache.");
-                                work
-                            }
-                            None => {
-                                let work = self.teacher_work(tctx, ex, &s_lp)?;
-                                report.tokens += work.tokens;
-                                if cacheable {
-                                    let cap = self.cfg.teacher_cache_examples;
-                                    self.cache
-                                        .put(ex.record_id, &ex.answer_ids, work.clone(), cap);
-                                }
-                                work
-                            }
-                        };
-                        *c += work.counts;
-                        teacher = work.pass;
-                        weights = work.weights;
-                        match (work.confidence, self.cfg.min_target_logprob) {
-                            (Some(confidence), Some(min)) if confidence < min => {
-                                debug!(record = %ex.record_id, confidence, "Target below the confidence floor; not distilled on.");
-                                c.unconfident += 1;
-                                unconfident = true;
-                                None
-                            }
-                            _ => work.target,
-                        }
-                    }
-                    _ => None,
-                };
-                if teacher.is_none()
-                    && ex.teacher_context_ids.is_some()
-                    && (w.dense > 0.0 || w.distill > 0.0 && own.is_none() && !unconfident)
-                {
-                    report.tokens += ex.teacher_context_ids.as_ref().map_or(0, Vec::len) + n;
-                    teacher = Some(teacher_pass(self)?);
-                }
+                // Teacher: the EMA policy shown the feedback, on the same answer tokens, and the
+                // target distilled on (its own answer or edit, or the logged answer).
+                let TeacherTarget {
+                    own,
+                    teacher,
+                    weights,
+                    unconfident,
+                } =
+                    self.teacher_target(ex, &s_lp, &mut stats.teacher_counts, &mut report.tokens)?;
 
                 // Distillation on the teacher's own answer or edit (a second student pass unless
                 // it is the logged answer) or on the logged one. A target that is not the logged
@@ -681,7 +671,7 @@ impl Trainer {
                         let pass = self.policy_pass_after(prompt, &ex.context_ids, &a.ids)?;
                         if self.cfg.target_ce_weight > 0.0 && w.distill > 0.0 {
                             let ce = weighted_mean(&pass.logprobs.neg()?, weights.as_deref())?;
-                            note("target_ce", ce.to_scalar::<f32>()? as f64);
+                            stats.note("target_ce", ce.to_scalar::<f32>()? as f64);
                             push(&mut total, (ce * self.cfg.target_ce_weight)?)?;
                             learned = true;
                         }
@@ -705,28 +695,28 @@ impl Trainer {
                         )?,
                         weights.as_deref(),
                     )?;
-                    note("distill", d.to_scalar::<f32>()? as f64);
+                    stats.note("distill", d.to_scalar::<f32>()? as f64);
                     push(&mut total, (d * w.distill)?)?;
                     learned = true;
                 }
 
                 if w.dense > 0.0 && (teacher.is_some() || ex.reward.is_some()) {
                     let d = self.dense_term(ex, &student, teacher.as_ref(), &s_lp)?;
-                    gap_sum += d.gap_sum;
-                    gap_n += d.gap_n;
-                    advs.extend_from_slice(&d.advantages);
-                    clip_sum += d.clip_fraction;
-                    clip_n += 1;
-                    baseline_updates.extend(d.baseline_update);
-                    note("dense", d.loss.to_scalar::<f32>()? as f64);
+                    stats.gap_sum += d.gap_sum;
+                    stats.gap_n += d.gap_n;
+                    stats.advs.extend_from_slice(&d.advantages);
+                    stats.clip_sum += d.clip_fraction;
+                    stats.clip_n += 1;
+                    stats.baseline_updates.extend(d.baseline_update);
+                    stats.note("dense", d.loss.to_scalar::<f32>()? as f64);
                     push(&mut total, (d.loss * w.dense)?)?;
                     learned = true;
                 }
 
                 if let (Some(up), Some(base_lp), true) = (ex.thumbs, &base, w.kto > 0.0) {
                     let (k, z) = self.kto_term(&student, base_lp, up)?;
-                    z_updates.push(z);
-                    note("kto", k.to_scalar::<f32>()? as f64);
+                    stats.z_updates.push(z);
+                    stats.note("kto", k.to_scalar::<f32>()? as f64);
                     push(&mut total, (k * w.kto)?)?;
                     learned = true;
                 }
@@ -735,14 +725,14 @@ impl Trainer {
             if let (Some(corr), true) = (&ex.correction_ids, w.sft > 0.0) {
                 let sft = self.sft_term(ex, corr, student_prompt.as_ref(), &mut report.tokens)?;
                 if let Some((kl_val, penalty)) = sft.guard {
-                    kl_sum += kl_val;
-                    kl_n += 1;
+                    stats.kl_sum += kl_val;
+                    stats.kl_n += 1;
                     if let Some(pen) = penalty {
-                        note("kl_penalty", pen.to_scalar::<f32>()? as f64);
+                        stats.note("kl_penalty", pen.to_scalar::<f32>()? as f64);
                         push(&mut total, pen)?;
                     }
                 }
-                note("sft", sft.loss.to_scalar::<f32>()? as f64);
+                stats.note("sft", sft.loss.to_scalar::<f32>()? as f64);
                 push(&mut total, (sft.loss * w.sft)?)?;
                 learned = true;
             }
@@ -771,23 +761,8 @@ impl Trainer {
             }
         }
 
-        report.kl_to_base = if kl_n > 0 { kl_sum / kl_n as f64 } else { 0.0 };
-        report.teacher_student_gap = (gap_n > 0).then(|| gap_sum / gap_n as f64);
-        if !advs.is_empty() {
-            let m = advs.iter().map(|x| *x as f64).sum::<f64>() / advs.len() as f64;
-            let var = advs.iter().map(|x| (*x as f64 - m).powi(2)).sum::<f64>() / advs.len() as f64;
-            report.advantage_mean = Some(m);
-            report.advantage_std = Some(var.sqrt());
-        }
-        report.clip_fraction = (clip_n > 0).then(|| clip_sum / clip_n as f64);
-        report.teacher_answers = teacher_counts;
-        report.terms = term_sums
-            .iter()
-            .map(|(k, v)| (k.clone(), v / applied[k] as f64))
-            .collect();
-        report.applied = applied;
-
         // Running statistics move whether or not the step is applied: they describe the data.
+        let (baseline_updates, z_updates) = stats.into_report(&mut report);
         let rate = self.cfg.baseline_rate;
         for (route, r) in baseline_updates {
             let b = self.state.baselines.entry(route).or_insert(0.0);

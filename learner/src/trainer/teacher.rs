@@ -729,4 +729,89 @@ impl Trainer {
                 .preview,
         ))
     }
+
+    /// The teacher's side of one example's distillation and dense reward: with
+    /// `distill_target = teacher | edit` the teacher's own target (from the cache while the
+    /// teacher is frozen), dropped below the confidence floor; and the teacher's pass over the
+    /// logged answer where distillation on it or the dense reward needs it.
+    pub(super) fn teacher_target(
+        &mut self,
+        ex: &TrainExample,
+        s_lp: &[f32],
+        counts: &mut Option<TeacherAnswerCounts>,
+        tokens: &mut usize,
+    ) -> Result<TeacherTarget> {
+        let w = self.cfg.objectives;
+        let mut teacher = None;
+        let mut unconfident = false;
+        let mut weights = None;
+        let own = match &ex.teacher_context_ids {
+            Some(tctx) if w.distill > 0.0 && self.cfg.distill_target != DistillTarget::Logged => {
+                let cacheable = self.caches_teacher_work(ex);
+                let hit = cacheable
+                    .then(|| self.cache.get(ex.record_id, &ex.answer_ids).cloned())
+                    .flatten();
+                let c = counts.get_or_insert_with(Default::default);
+                let work = match hit {
+                    Some(work) => {
+                        c.cached += 1;
+                        debug!(record = %ex.record_id, "The frozen teacher's target, from the cache.");
+                        work
+                    }
+                    None => {
+                        let work = self.teacher_work(tctx, ex, s_lp)?;
+                        *tokens += work.tokens;
+                        if cacheable {
+                            let cap = self.cfg.teacher_cache_examples;
+                            self.cache
+                                .put(ex.record_id, &ex.answer_ids, work.clone(), cap);
+                        }
+                        work
+                    }
+                };
+                *c += work.counts;
+                teacher = work.pass;
+                weights = work.weights;
+                match (work.confidence, self.cfg.min_target_logprob) {
+                    (Some(confidence), Some(min)) if confidence < min => {
+                        debug!(record = %ex.record_id, confidence, "Target below the confidence floor; not distilled on.");
+                        c.unconfident += 1;
+                        unconfident = true;
+                        None
+                    }
+                    _ => work.target,
+                }
+            }
+            _ => None,
+        };
+        if teacher.is_none()
+            && ex.teacher_context_ids.is_some()
+            && (w.dense > 0.0 || w.distill > 0.0 && own.is_none() && !unconfident)
+        {
+            *tokens += ex.teacher_context_ids.as_ref().map_or(0, Vec::len) + ex.answer_ids.len();
+            teacher = Some(self.teacher_pass_after(
+                &mut TeacherPrompts::default(),
+                ex.teacher_context_ids.as_deref().unwrap_or_default(),
+                &ex.answer_ids,
+            )?);
+        }
+        Ok(TeacherTarget {
+            own,
+            teacher,
+            weights,
+            unconfident,
+        })
+    }
+}
+
+/// The teacher's side of one example ([`Trainer::teacher_target`]).
+pub(super) struct TeacherTarget {
+    /// The teacher's own target (answer or edit); `None`: distil on the logged answer.
+    pub(super) own: Option<TeacherAnswer>,
+    /// The teacher's pass over the logged answer, where one ran.
+    pub(super) teacher: Option<AnswerPass>,
+    /// Per token of the answer distilled on: 0 on doubtful field values (`min_field_logprob`).
+    pub(super) weights: Option<Vec<f32>>,
+    /// The target is below the confidence floor: no distillation on this example.
+    pub(super) unconfident: bool,
 }
