@@ -457,13 +457,8 @@ pub async fn run_learner(
     };
 
     let mut summary = LearnerSummary::default();
-    let emit = |e: LearnerEvent| {
-        if let Some(tx) = &events {
-            let _ = tx.send(e);
-        }
-    };
+    let emit = |e: LearnerEvent| emit(&events, e);
     tokio::pin!(shutdown);
-    let wait = Duration::from_millis(cfg.max_batch_wait_ms);
     let mut batches_since_ckpt = 0u64;
     let mut trainer_slot = Some(trainer);
     // Recently trained examples for replay steps (oldest first).
@@ -473,115 +468,36 @@ pub async fn run_learner(
 
     'outer: loop {
         // Gather one micro-batch.
-        let mut batch: Vec<TrainExample> = Vec::new();
-        let mut batch_ids: Vec<Uuid> = Vec::new();
-        let mut cost = 0usize;
-        let mut pending = state.positions.clone();
-        let mut pending_ids = state.last_ids.clone();
-        let mut records_in_batch = 0u64;
-        // The batch wait starts with the batch's first record, not before: after an idle spell
-        // the first record would otherwise find the deadline passed and train alone.
-        let mut deadline: Option<Instant> = None;
-        let mut stop = false;
-        let mut snapshot_requested = false;
-        loop {
-            if let Some(max) = cfg.max_examples {
-                if state.examples + batch.len() as u64 >= max {
-                    stop = true;
-                    break;
-                }
-            }
-            if let Some(max) = cfg.max_records {
-                if state.records + records_in_batch >= max {
-                    stop = true;
-                    break;
-                }
-            }
-            if batch.len() >= cfg.max_batch_examples || cost >= cfg.token_budget {
-                break;
-            }
-            let left = deadline.map_or(wait, |d| d.saturating_duration_since(Instant::now()));
-            // Train what we have; skipped records alone still get checkpointed (positions).
-            if left.is_zero() && (!batch.is_empty() || records_in_batch > 0) {
-                break;
-            }
-            let command = async {
-                match control.as_mut() {
-                    Some(rx) => rx.recv().await,
-                    None => std::future::pending().await,
-                }
-            };
-            let got: Option<RawRecord> = tokio::select! {
-                biased;
-                () = &mut shutdown => { stop = true; break; }
-                c = command => {
-                    match c {
-                        Some(LearnerControl::SnapshotNow) => snapshot_requested = true,
-                        None => control = None, // sender gone: stop listening
-                    }
-                    break;
-                }
-                r = reader.recv_timeout(if batch.is_empty() { wait } else { left }) => r?,
-            };
-            let Some(raw) = got else { continue };
-            deadline.get_or_insert_with(|| Instant::now() + wait);
-            let k = key(&raw.topic, raw.partition);
-            if raw.offset < state.positions.get(&k).copied().unwrap_or(0) {
-                continue; // already in the checkpoint's weights
-            }
-            match raw.id {
-                Some(id) => pending_ids.insert(k.clone(), id),
-                None => pending_ids.remove(&k),
-            };
-            pending.insert(k, raw.offset + 1);
-            records_in_batch += 1;
-            let outcome = match raw.decode::<EpisodeRecord>() {
-                Ok(rec) => prepare(
-                    &rec,
-                    &state,
-                    &batch,
-                    &cfg,
-                    &tokenizer,
-                    &template,
-                    end_of_turn,
-                ),
-                Err(e) => {
-                    warn!(error = %e, "Malformed episode record; skipped.");
-                    Err("malformed")
-                }
-            };
-            match outcome {
-                Ok(ex) => {
-                    cost += ex.cost_tokens();
-                    batch_ids.push(ex.record_id);
-                    batch.push(ex);
-                }
-                Err(reason) => {
-                    *state.skipped.entry(reason.to_string()).or_default() += 1;
-                    metrics::counter!("hindsight_learner_records_skipped_total", "reason" => reason)
-                        .increment(1);
-                    if let Some(r) = skip_reason(reason) {
-                        emit(LearnerEvent::Skipped(r));
-                    }
-                }
-            }
-        }
+        let Gathered {
+            batch,
+            batch_ids,
+            pending,
+            pending_ids,
+            records_in_batch,
+            stop,
+            snapshot_requested,
+        } = gather(
+            &mut shutdown,
+            &mut control,
+            &reader,
+            &mut state,
+            &cfg,
+            &Prompting {
+                tokenizer: &tokenizer,
+                template: &template,
+                end_of_turn,
+            },
+            &events,
+        )
+        .await?;
 
         if !batch.is_empty() {
-            // Train (CPU-bound: off the async runtime).
-            let mut tr = trainer_slot
-                .take()
-                .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
-            let b = batch;
-            let (tr, b, result) = tokio::task::spawn_blocking(move || {
-                let r = tr.step(&b);
-                (tr, b, r)
-            })
-            .instrument(info_span!("learner_batch", batch = state.batches + 1))
-            .await
-            .map_err(|e| OnlineError::Thread(e.to_string()))?;
-            trainer_slot = Some(tr);
-            let report = result?;
+            let (b, report) = train_step(
+                &mut trainer_slot,
+                batch,
+                info_span!("learner_batch", batch = state.batches + 1),
+            )
+            .await?;
             for ex in &b {
                 state.remember(ex.record_id, ex.turn, &ex.feedback_ids);
             }
@@ -620,45 +536,15 @@ pub async fn run_learner(
             let (trained, unlearned) = (report.examples, report.unlearned.clone());
             emit(LearnerEvent::Step(Box::new(report)));
 
-            // Replay: extra steps on earlier examples (never the batch just trained). One draw
-            // per batch covers all its replay steps, so they train distinct examples as long as
-            // the buffer holds enough of them.
-            let draw = replay_draw(
-                replay.len(),
-                cfg.replay_steps_per_batch * cfg.max_batch_examples,
-                mix(state.batches),
-            );
-            for (j, slots) in draw.chunks(cfg.max_batch_examples.max(1)).enumerate() {
-                let picked: Vec<TrainExample> = slots
-                    .iter()
-                    .filter_map(|&i| replay.get(i).cloned())
-                    .collect();
-                let ids: Vec<Uuid> = picked.iter().map(|e| e.record_id).collect();
-                let mut tr = trainer_slot
-                    .take()
-                    .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
-                let (tr, result) = tokio::task::spawn_blocking(move || {
-                    let r = tr.step(&picked);
-                    (tr, r)
-                })
-                .instrument(info_span!(
-                    "learner_replay",
-                    batch = state.batches,
-                    step = j
-                ))
-                .await
-                .map_err(|e| OnlineError::Thread(e.to_string()))?;
-                trainer_slot = Some(tr);
-                let report = result?;
-                metrics::counter!("hindsight_learner_replay_steps_total").increment(1);
-                run_log.write(json!({
-                    "event": "replay",
-                    "batch": state.batches,
-                    "record_ids": ids,
-                    "report": report,
-                }))?;
-                emit(LearnerEvent::Replay(Box::new(report)));
-            }
+            replay_steps(
+                &mut trainer_slot,
+                &replay,
+                &cfg,
+                state.batches,
+                &mut run_log,
+                &events,
+            )
+            .await?;
             if cfg.replay_steps_per_batch > 0 {
                 let skip: &[Uuid] = if cfg.replay_unlearned {
                     &[]
@@ -909,6 +795,211 @@ fn prepare(
         return Err(SkipReason::Stale.as_str());
     }
     build_example(&rec, tokenizer, template, end_of_turn, &cfg.examples).map_err(SkipReason::as_str)
+}
+
+/// What building an example needs of the model: the tokenizer, the chat template, the
+/// end-of-turn token.
+struct Prompting<'a> {
+    tokenizer: &'a tokenizers::Tokenizer,
+    template: &'a hindsight_model::ChatTemplate,
+    end_of_turn: u32,
+}
+
+/// One micro-batch as gathered: its examples, the positions it moves the checkpoint to, and
+/// whether the loop should stop or snapshot after it.
+struct Gathered {
+    batch: Vec<TrainExample>,
+    batch_ids: Vec<Uuid>,
+    pending: BTreeMap<String, i64>,
+    pending_ids: BTreeMap<String, Uuid>,
+    records_in_batch: u64,
+    stop: bool,
+    snapshot_requested: bool,
+}
+
+/// The source stage: reads episode records until the micro-batch is full (examples or token
+/// budget), its wait is over, a limit is reached, a command arrives or `shutdown` resolves;
+/// turns each record into an example or counts why it was skipped.
+async fn gather<S: Future<Output = ()>>(
+    shutdown: &mut std::pin::Pin<&mut S>,
+    control: &mut Option<mpsc::UnboundedReceiver<LearnerControl>>,
+    reader: &TopicReader,
+    state: &mut LoopState,
+    cfg: &LearnerConfig,
+    p: &Prompting<'_>,
+    events: &Option<mpsc::UnboundedSender<LearnerEvent>>,
+) -> Result<Gathered, OnlineError> {
+    let wait = Duration::from_millis(cfg.max_batch_wait_ms);
+    let mut batch: Vec<TrainExample> = Vec::new();
+    let mut batch_ids: Vec<Uuid> = Vec::new();
+    let mut cost = 0usize;
+    let mut pending = state.positions.clone();
+    let mut pending_ids = state.last_ids.clone();
+    let mut records_in_batch = 0u64;
+    // The batch wait starts with the batch's first record, not before: after an idle spell
+    // the first record would otherwise find the deadline passed and train alone.
+    let mut deadline: Option<Instant> = None;
+    let mut stop = false;
+    let mut snapshot_requested = false;
+    loop {
+        if let Some(max) = cfg.max_examples {
+            if state.examples + batch.len() as u64 >= max {
+                stop = true;
+                break;
+            }
+        }
+        if let Some(max) = cfg.max_records {
+            if state.records + records_in_batch >= max {
+                stop = true;
+                break;
+            }
+        }
+        if batch.len() >= cfg.max_batch_examples || cost >= cfg.token_budget {
+            break;
+        }
+        let left = deadline.map_or(wait, |d| d.saturating_duration_since(Instant::now()));
+        // Train what we have; skipped records alone still get checkpointed (positions).
+        if left.is_zero() && (!batch.is_empty() || records_in_batch > 0) {
+            break;
+        }
+        let command = async {
+            match control.as_mut() {
+                Some(rx) => rx.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        let got: Option<RawRecord> = tokio::select! {
+            biased;
+            () = shutdown.as_mut() => { stop = true; break; }
+            c = command => {
+                match c {
+                    Some(LearnerControl::SnapshotNow) => snapshot_requested = true,
+                    None => *control = None, // sender gone: stop listening
+                }
+                break;
+            }
+            r = reader.recv_timeout(if batch.is_empty() { wait } else { left }) => r?,
+        };
+        let Some(raw) = got else { continue };
+        deadline.get_or_insert_with(|| Instant::now() + wait);
+        let k = key(&raw.topic, raw.partition);
+        if raw.offset < state.positions.get(&k).copied().unwrap_or(0) {
+            continue; // already in the checkpoint's weights
+        }
+        match raw.id {
+            Some(id) => pending_ids.insert(k.clone(), id),
+            None => pending_ids.remove(&k),
+        };
+        pending.insert(k, raw.offset + 1);
+        records_in_batch += 1;
+        let outcome = match raw.decode::<EpisodeRecord>() {
+            Ok(rec) => prepare(
+                &rec,
+                state,
+                &batch,
+                cfg,
+                p.tokenizer,
+                p.template,
+                p.end_of_turn,
+            ),
+            Err(e) => {
+                warn!(error = %e, "Malformed episode record; skipped.");
+                Err("malformed")
+            }
+        };
+        match outcome {
+            Ok(ex) => {
+                cost += ex.cost_tokens();
+                batch_ids.push(ex.record_id);
+                batch.push(ex);
+            }
+            Err(reason) => {
+                *state.skipped.entry(reason.to_string()).or_default() += 1;
+                metrics::counter!("hindsight_learner_records_skipped_total", "reason" => reason)
+                    .increment(1);
+                if let Some(r) = skip_reason(reason) {
+                    emit(events, LearnerEvent::Skipped(r));
+                }
+            }
+        }
+    }
+    Ok(Gathered {
+        batch,
+        batch_ids,
+        pending,
+        pending_ids,
+        records_in_batch,
+        stop,
+        snapshot_requested,
+    })
+}
+
+/// Sends `e` to the listener, if there is one (a listener gone is not an error).
+fn emit(events: &Option<mpsc::UnboundedSender<LearnerEvent>>, e: LearnerEvent) {
+    if let Some(tx) = events {
+        let _ = tx.send(e);
+    }
+}
+
+/// One trainer step on `batch`, off the async runtime (it is CPU-bound); the trainer goes back
+/// into its slot, and the batch comes back for the caller's bookkeeping.
+async fn train_step(
+    slot: &mut Option<Trainer>,
+    batch: Vec<TrainExample>,
+    span: tracing::Span,
+) -> Result<(Vec<TrainExample>, StepReport), OnlineError> {
+    let mut tr = slot
+        .take()
+        .ok_or_else(|| OnlineError::Thread("trainer lost".into()))?;
+    let (tr, batch, result) = tokio::task::spawn_blocking(move || {
+        let r = tr.step(&batch);
+        (tr, batch, r)
+    })
+    .instrument(span)
+    .await
+    .map_err(|e| OnlineError::Thread(e.to_string()))?;
+    *slot = Some(tr);
+    Ok((batch, result?))
+}
+
+/// The replay stage after batch `batches`: `replay_steps_per_batch` extra steps on earlier
+/// examples (never the batch just trained). One draw per batch covers all its replay steps, so
+/// they train distinct examples as long as the buffer holds enough of them.
+async fn replay_steps(
+    slot: &mut Option<Trainer>,
+    replay: &VecDeque<TrainExample>,
+    cfg: &LearnerConfig,
+    batches: u64,
+    run_log: &mut RunLog,
+    events: &Option<mpsc::UnboundedSender<LearnerEvent>>,
+) -> Result<(), OnlineError> {
+    let draw = replay_draw(
+        replay.len(),
+        cfg.replay_steps_per_batch * cfg.max_batch_examples,
+        mix(batches),
+    );
+    for (j, slots) in draw.chunks(cfg.max_batch_examples.max(1)).enumerate() {
+        let picked: Vec<TrainExample> = slots
+            .iter()
+            .filter_map(|&i| replay.get(i).cloned())
+            .collect();
+        let ids: Vec<Uuid> = picked.iter().map(|e| e.record_id).collect();
+        let (_, report) = train_step(
+            slot,
+            picked,
+            info_span!("learner_replay", batch = batches, step = j),
+        )
+        .await?;
+        metrics::counter!("hindsight_learner_replay_steps_total").increment(1);
+        run_log.write(json!({
+            "event": "replay",
+            "batch": batches,
+            "record_ids": ids,
+            "report": report,
+        }))?;
+        emit(events, LearnerEvent::Replay(Box::new(report)));
+    }
+    Ok(())
 }
 
 fn record_metrics(r: &StepReport) {
