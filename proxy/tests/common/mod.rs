@@ -1,6 +1,6 @@
 //! Test support: a mock OpenAI-compatible upstream (the one thing outside the system we may
 //! mock), an in-process proxy wired to the real local Kafka, and a Kafka reader.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::net::SocketAddr;
 use std::time::Duration;
