@@ -31,6 +31,7 @@ use hindsight_model::encode;
 
 mod config;
 mod teacher;
+mod terms;
 #[cfg(test)]
 mod tests;
 
@@ -44,6 +45,7 @@ use hindsight_model::{Adapter, AdapterSelection, LoraInit};
 use hindsight_model::{BatchLayout, KvCache, Model};
 pub use teacher::{EditPreview, TeacherAnswerCounts, TeacherDecoding};
 use teacher::{TeacherPrompts, TeacherTarget, TeacherWork};
+use terms::StepStats;
 
 /// What one step did (also the JSONL run-log line and the metrics).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -175,79 +177,6 @@ impl std::fmt::Debug for Trainer {
             .field("state", &self.state)
             .finish_non_exhaustive()
     }
-}
-
-/// What a step accumulates over its examples besides the gradients.
-#[derive(Default)]
-struct StepStats {
-    term_sums: BTreeMap<String, f64>,
-    applied: BTreeMap<String, usize>,
-    kl_sum: f64,
-    kl_n: usize,
-    gap_sum: f64,
-    gap_n: usize,
-    advs: Vec<f32>,
-    clip_sum: f64,
-    clip_n: usize,
-    z_updates: Vec<f64>,
-    baseline_updates: Vec<(String, f64)>,
-    teacher_counts: Option<TeacherAnswerCounts>,
-}
-
-impl StepStats {
-    /// One example's value of a loss term.
-    fn note(&mut self, name: &str, v: f64) {
-        *self.term_sums.entry(name.to_string()).or_default() += v;
-        *self.applied.entry(name.to_string()).or_default() += 1;
-    }
-
-    /// Writes the means into `report`; returns the running statistics' observations (route
-    /// rewards for the baselines, KTO rewards for its reference point).
-    fn into_report(self, report: &mut StepReport) -> (Vec<(String, f64)>, Vec<f64>) {
-        report.kl_to_base = if self.kl_n > 0 {
-            self.kl_sum / self.kl_n as f64
-        } else {
-            0.0
-        };
-        report.teacher_student_gap = (self.gap_n > 0).then(|| self.gap_sum / self.gap_n as f64);
-        if !self.advs.is_empty() {
-            let len = self.advs.len() as f64;
-            let m = self.advs.iter().map(|x| *x as f64).sum::<f64>() / len;
-            let var = self
-                .advs
-                .iter()
-                .map(|x| (*x as f64 - m).powi(2))
-                .sum::<f64>()
-                / len;
-            report.advantage_mean = Some(m);
-            report.advantage_std = Some(var.sqrt());
-        }
-        report.clip_fraction = (self.clip_n > 0).then(|| self.clip_sum / self.clip_n as f64);
-        report.teacher_answers = self.teacher_counts;
-        report.terms = self
-            .term_sums
-            .iter()
-            .map(|(k, v)| (k.clone(), v / self.applied[k] as f64))
-            .collect();
-        report.applied = self.applied;
-        (self.baseline_updates, self.z_updates)
-    }
-}
-
-/// SFT's term of one example and, when it measured the KL guard, the KL and its penalty.
-struct SftTerm {
-    loss: Tensor,
-    guard: Option<(f64, Option<Tensor>)>,
-}
-
-/// What the dense-reward term of one example yields besides its loss.
-struct DenseTerm {
-    loss: Tensor,
-    gap_sum: f64,
-    gap_n: usize,
-    advantages: Vec<f32>,
-    clip_fraction: f64,
-    baseline_update: Option<(String, f64)>,
 }
 
 /// One forward's quantities at the answer positions.
@@ -786,121 +715,6 @@ impl Trainer {
             return Ok(self.refuse(report, "non-finite loss", started));
         }
         self.apply_update(report, acc, &vars, started)
-    }
-
-    /// SFT on a correction: the mean token cross-entropy after the policy's prompt (run once
-    /// for the example when its other passes ran it). An example only SFT learns from measures
-    /// its KL guard here, at the correction's positions, so its pass keeps the logits (`[n, V]`,
-    /// a few MB); otherwise the fused cross-entropy.
-    fn sft_term(
-        &mut self,
-        ex: &TrainExample,
-        corr: &[u32],
-        student_prompt: Option<&KvCache>,
-        tokens: &mut usize,
-    ) -> Result<SftTerm> {
-        *tokens += match student_prompt {
-            Some(_) => corr.len(),
-            None => ex.context_ids.len() + corr.len(),
-        };
-        if student_prompt.is_none() && self.cfg.kl_penalty > 0.0 {
-            let pass = self.policy_pass(&ex.context_ids, corr)?;
-            let base_logits = self.base_pass(ex, corr, tokens)?.logits;
-            Ok(SftTerm {
-                loss: mean(&pass.logprobs.neg()?)?,
-                guard: Some(self.kl_guard(&pass.logits, &base_logits)?),
-            })
-        } else {
-            let ce = self.sft_token_ce(student_prompt, &ex.context_ids, corr)?;
-            Ok(SftTerm {
-                loss: mean(&ce)?,
-                guard: None,
-            })
-        }
-    }
-
-    /// The KL guard at one answer's positions: the mean exact KL(policy ‖ base) per position
-    /// and, above the budget (with the guard on), the penalty term.
-    fn kl_guard(&self, policy: &Tensor, base: &Tensor) -> Result<(f64, Option<Tensor>)> {
-        let kl = mean(&kl_exact(policy, base)?)?;
-        let value = kl.to_scalar::<f32>()? as f64;
-        let penalty = if self.cfg.kl_penalty > 0.0 && value > self.cfg.kl_budget {
-            Some(((kl - self.cfg.kl_budget)? * self.cfg.kl_penalty)?)
-        } else {
-            None
-        };
-        Ok((value, penalty))
-    }
-
-    /// The dense-reward policy-gradient term of one example: per-token advantages from the
-    /// teacher/student gap on the logged tokens (when a teacher ran) plus the scalar feedback
-    /// against the route's running baseline, importance-weighted against the behaviour
-    /// log-probs and clipped.
-    fn dense_term(
-        &self,
-        ex: &TrainExample,
-        student: &AnswerPass,
-        teacher: Option<&AnswerPass>,
-        s_lp: &[f32],
-    ) -> Result<DenseTerm> {
-        let n = ex.answer_ids.len();
-        let dev = self.model.device();
-        let (scalar_adv, baseline_update) = match ex.reward {
-            Some(r) => {
-                let b = self.state.baselines.get(&ex.route).copied().unwrap_or(0.0);
-                (r - b, Some((ex.route.clone(), r)))
-            }
-            None => (0.0, None),
-        };
-        let (mut gap_sum, mut gap_n) = (0.0, 0usize);
-        let advantages = match teacher {
-            Some(t) => {
-                let t_lp: Vec<f32> = t.logprobs.to_vec1()?;
-                for (a, b) in t_lp.iter().zip(s_lp) {
-                    gap_sum += (*a - *b) as f64;
-                    gap_n += 1;
-                }
-                dense_advantages(&t_lp, s_lp, scalar_adv, self.cfg.gap_clip)
-            }
-            None => vec![scalar_adv as f32; n],
-        };
-        // Unknown behaviour entries (NaN) are treated as on-policy: ratio 1.
-        let behaviour = match &ex.behaviour_logprobs {
-            Some(b) => Some(Tensor::from_vec(
-                b.iter()
-                    .zip(s_lp)
-                    .map(|(x, s)| if x.is_finite() { *x } else { *s })
-                    .collect::<Vec<f32>>(),
-                n,
-                dev,
-            )?),
-            None => None,
-        };
-        let adv = Tensor::from_vec(advantages.clone(), n, dev)?;
-        let (pg, stats) = pg_loss(
-            &student.logprobs,
-            behaviour.as_ref(),
-            &adv,
-            self.cfg.ratio_clip,
-        )?;
-        Ok(DenseTerm {
-            loss: mean(&pg)?,
-            gap_sum,
-            gap_n,
-            advantages,
-            clip_fraction: stats.clip_fraction,
-            baseline_update,
-        })
-    }
-
-    /// The KTO term of one thumbed example against the base model's log-probs of the same
-    /// tokens, with the reward (for the running reference point z) it observed.
-    fn kto_term(&self, student: &AnswerPass, base_lp: &Tensor, up: bool) -> Result<(Tensor, f64)> {
-        let seq = student.logprobs.sum_all()?;
-        let reference = base_lp.sum_all()?.to_scalar::<f32>()? as f64;
-        let r = seq.to_scalar::<f32>()? as f64 - reference;
-        let k = kto_loss(&seq, reference, up, self.state.kto_z, &self.cfg.kto)?;
-        Ok((k, r.max(0.0)))
     }
 
     /// The update of a step whose loss is finite: the accumulated per-example gradients,
