@@ -570,7 +570,7 @@ async fn feedback_api_is_mounted_on_the_data_port() {
     assert!(bad.status().is_client_error(), "{}", bad.status());
     let v: Value = bad.json().await.unwrap();
     assert_eq!(
-        v["error"]["field"], "value",
+        v["error"]["param"], "value",
         "the rejection names the field: {v}"
     );
     proxy.stop().await;
