@@ -1,5 +1,7 @@
 //! Loop tests: config, replay draws, positions.
 
+use super::replay::{mix, replay_draw, replay_indices};
+use super::source::key;
 use super::*;
 
 #[test]
