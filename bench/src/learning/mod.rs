@@ -8,35 +8,32 @@
 //! configurations, JSON + PNG) and by the small learning test in `bench/tests/learning.rs`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use hindsight_control::publish::PublishConfig;
-use hindsight_control::registry::RegistryConfig;
 use hindsight_eval::{
     compare_runs, evaluate, extract_json_answer, score_answer, Comparison, EvalSet, RunConfig,
     RunReport,
 };
-use hindsight_feedback::{JoinerConfig, LogConfig, Secret};
-use hindsight_learner::online::{
-    spawn_learner, LearnerControl, LearnerEvent, LearnerSetup, LearnerSummary,
-};
-use hindsight_proxy::{Extensions, RawConfig};
+use hindsight_learner::online::{spawn_learner, LearnerControl, LearnerEvent, LearnerSummary};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::prior_probe::{PriorMargins, PriorProbe};
+use services::{learner_setup, services_listen, start_capture, start_serve, unique, SECRET};
 
 mod config;
 mod plot;
+mod services;
 #[cfg(test)]
 mod tests;
 
 pub use config::{BenchFile, LearningConfig, Objective, Scenario};
 use hindsight_sim::{
-    eval_items, run_env, EnvRunConfig, FeedbackConfig, PromptOptions, Records, Split, UserConfig,
-    World,
+    eval_items, run_env, EnvRunConfig, EnvRunSummary, FeedbackConfig, PromptOptions, Records,
+    Split, UserConfig, World,
 };
 pub use plot::plot;
 
@@ -323,75 +320,11 @@ impl LearningReport {
     }
 }
 
-const SECRET: &str = "learning-curve-secret";
-
-fn unique(what: &str) -> String {
-    format!("lc-{what}-{}", uuid::Uuid::now_v7().simple())
-}
-
-/// Starts `hindsight serve` on a free port; returns its API base and a stopper.
-async fn start_serve(model: &Path) -> anyhow::Result<(String, String, oneshot::Sender<()>)> {
-    use clap::Parser;
-    #[derive(Parser)]
-    struct Args {
-        #[command(flatten)]
-        serve: hindsight_serve::ServeArgs,
-    }
-    let args = Args::try_parse_from([
-        "serve".to_string(),
-        "--model".to_string(),
-        model.display().to_string(),
-        "--listen".to_string(),
-        "127.0.0.1:0".to_string(),
-    ])?;
-    let config = args.serve.load()?;
-    let base = config.served_model_name.clone();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let (tx, rx) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        let r = hindsight_serve::run_serve(config, listener, async {
-            let _ = rx.await;
-        })
-        .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "serve stopped");
-        }
-    });
-    let url = format!("http://{addr}/v1");
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Ok(r) = client.get(format!("{url}/models")).send().await {
-            if r.status().is_success() {
-                break;
-            }
-        }
-        if Instant::now() > deadline {
-            bail!("hindsight serve did not come up within 120 s");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    Ok((url, base, tx))
-}
-
-/// Runs one configuration end to end.
+/// Runs one configuration end to end: the base model measured, then chunks of traffic with
+/// feedback through the proxy, each followed by a candidate snapshot and its measurement.
 pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport> {
     let sc = &cfg.scenario;
-    if !cfg.model_path().is_file() {
-        bail!(
-            "{} is missing: run deploy/fetch-model.sh",
-            cfg.model_path().display()
-        );
-    }
-    if sc.eval_every == 0 || sc.events == 0 {
-        bail!("scenario.events and scenario.eval_every must be >= 1");
-    }
-    // The proxy never fails traffic when Kafka is down (it spills), so without this a run
-    // with the services stopped would wait on episodes that never come.
-    if cfg.objective != Objective::None {
-        services_listen(&cfg.brokers, &cfg.redis_url).await?;
-    }
+    check_ready(&cfg).await?;
     std::fs::create_dir_all(&cfg.work_dir)?;
     let started = Instant::now();
     let options = single_turn(sc.records);
@@ -410,239 +343,58 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     };
 
     let constant_baseline = ConstantBaseline::compute(&world, options, &set, train_set.as_ref())?;
-    let probe = if sc.prior_probe {
-        let probe = PriorProbe::new(
-            cfg.model_path(),
-            &set,
-            train_set.as_ref(),
-            &constant_baseline.answer,
-        )?;
-        tracing::info!(
-            held_out = probe.sizes().0,
-            trained = probe.sizes().1,
-            "Prior probe ready (tickets whose decision is not the constant answer)."
-        );
-        Some(std::sync::Arc::new(probe))
-    } else {
-        None
-    };
-    // Runs the probe off the async workers (it is seconds of CPU per point).
-    let probe_at = |adapter_dir: Option<PathBuf>| {
-        let probe = probe.clone();
-        async move {
-            match probe {
-                Some(p) => tokio::task::spawn_blocking(move || p.margins(adapter_dir.as_deref()))
-                    .await
-                    .context("the prior probe panicked")?,
-                None => Ok(PriorMargins::default()),
-            }
-        }
-    };
+    let probe = prior_probe(&cfg, &set, train_set.as_ref(), &constant_baseline)?;
     let (serve_url, base_name, stop_serve) = start_serve(cfg.model_path()).await?;
-    let eval_at = |model: String| {
-        let mut rc = RunConfig::new(serve_url.clone(), model);
-        rc.progress = false;
-        // The answers are kept to measure their spread (distinct decisions per point).
-        rc.keep_content = true;
-        rc.concurrency = 8;
-        rc
+    let meter = Meter {
+        set: &set,
+        train_set: train_set.as_ref(),
+        constant: &constant_baseline.answer,
+        probe,
+        serve_url: &serve_url,
     };
-    // Scores on the trained tickets, when asked for.
-    let eval_trained = |model: String| {
-        let rc = eval_at(model);
-        let set = train_set.as_ref();
-        async move {
-            match set {
-                Some(set) => anyhow::Ok(Some(evaluate(set, &rc).await?)),
-                None => Ok(None),
-            }
-        }
-    };
-    // Exact match and field accuracy of a trained-ticket run, when there is one.
-    let trained_metrics = |r: &Option<RunReport>| match r {
-        Some(r) => (Some(r.metrics.exact_match), r.metrics.field_accuracy),
-        None => (None, None),
-    };
-    let base_report = evaluate(&set, &eval_at(base_name.clone())).await?;
-    let base_trained = eval_trained(base_name.clone()).await?;
-    let (train_exact_match, train_field_accuracy) = trained_metrics(&base_trained);
-    let base_margins = probe_at(None).await?;
-    let mut points = vec![CurvePoint {
-        events: 0,
-        examples: 0,
-        exact_match: base_report.metrics.exact_match,
-        field_accuracy: base_report.metrics.field_accuracy,
-        train_exact_match,
-        train_field_accuracy,
-        distinct_answers: answer_spread(&set, &base_report).map(|s| s.0),
-        top_answer_share: answer_spread(&set, &base_report).map(|s| s.1),
-        exact_beyond_constant: exact_beyond_constant(&set, &base_report, &constant_baseline.answer)
-            .map(|e| e.0),
-        prior_margin: base_margins.held_out,
-        train_prior_margin: base_margins.trained,
-        passed: passed_items(&base_report),
-        version: None,
-        wall_s: started.elapsed().as_secs_f64(),
-    }];
+    let base = meter.measure(&base_name, None).await?;
+    let mut points = vec![meter.point(&base, 0, 0, None, started)];
     tracing::info!(
         objective = cfg.objective.as_str(),
-        exact_match = base_report.metrics.exact_match,
+        exact_match = base.report.metrics.exact_match,
         "Base model evaluated."
     );
     if cfg.objective == Objective::None {
-        // The base model does not change: its curve is the same number at every point.
-        let mut e = sc.eval_every;
-        while e <= sc.events {
-            let mut p = points[0].clone();
-            p.events = e;
-            points.push(p);
-            e += sc.eval_every;
-        }
+        let report = untrained_report(cfg, points, constant_baseline, started);
         let _ = stop_serve.send(());
-        return Ok(LearningReport {
-            config: cfg,
-            points,
-            constant_baseline: Some(constant_baseline),
-            traffic_exact_match: vec![],
-            wall_s: started.elapsed().as_secs_f64(),
-            train_s: 0.0,
-            train_tokens: 0,
-            train_tokens_per_s: 0.0,
-            replay_steps: 0,
-            learner: None,
-            held_out_vs_base: None,
-            trained_vs_base: None,
-            history_vs_base: None,
-        });
+        return Ok(report);
     }
 
-    // Proxy in front of serve, with the signed feedback webhook.
     let prefix = unique(cfg.objective.as_str());
-    let mut raw = RawConfig::default();
-    raw.proxy.upstream_url = serve_url.trim_end_matches("/v1").to_string();
-    raw.proxy.listen_addr = "127.0.0.1:0".into();
-    raw.proxy.admin_addr = "127.0.0.1:0".into();
-    raw.log = LogConfig {
-        brokers: cfg.brokers.clone(),
-        topic_prefix: prefix.clone(),
-        spill_dir: cfg.work_dir.join("spill"),
-        ..LogConfig::default()
-    };
-    raw.feedback.redis_url = cfg.redis_url.clone();
-    raw.feedback.redis_key_prefix = format!("{prefix}:idem:");
-    raw.feedback.signing.secrets = vec![Secret::new(SECRET)];
-    let proxy_cfg = raw.validate()?;
-    let log_cfg = proxy_cfg.log.clone();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let proxy_addr = listener.local_addr()?;
-    let (stop_proxy, proxy_stopped) = oneshot::channel::<()>();
-    let proxy = tokio::spawn(async move {
-        hindsight_proxy::run(proxy_cfg, listener, admin, Extensions::default(), async {
-            let _ = proxy_stopped.await;
-        })
-        .await
-    });
-
-    // Joiner.
-    let joiner_cfg = JoinerConfig {
-        group_id: format!("{prefix}-joiner"),
-        redis_url: cfg.redis_url.clone(),
-        redis_key_prefix: format!("{prefix}:join:"),
-        ..JoinerConfig::default()
-    }
-    .validate()?;
-    let (stop_joiner, joiner_stopped) = oneshot::channel::<()>();
-    let joiner_log = log_cfg.clone();
-    let joiner = tokio::spawn(async move {
-        hindsight_feedback::run_joiner(joiner_cfg, joiner_log, async {
-            let _ = joiner_stopped.await;
-        })
-        .await
-    });
-
-    // Learner: candidates on request, published without a gate (the curve is the measure;
-    // the gate has its own test) and promoted so traffic comes from the newest adapter.
-    // The configured learner, with the harness's own files, names and candidate schedule.
+    let capture = start_capture(&cfg, &prefix, &serve_url).await?;
     let adapter_name = format!("support-{}", cfg.objective.as_str());
-    let mut learner_cfg = cfg.learner.clone();
-    learner_cfg.base_model_name = Some(base_name.clone());
-    learner_cfg.adapter_name = adapter_name.clone();
-    learner_cfg.group_id = format!("{prefix}-learner");
-    learner_cfg.checkpoint_dir = cfg.work_dir.join("checkpoints");
-    learner_cfg.run_log = cfg.work_dir.join("run.jsonl");
-    learner_cfg.max_batch_wait_ms = 1_000;
-    learner_cfg.checkpoint_every_batches = 4;
-    learner_cfg.candidate_every_batches = 0;
-    learner_cfg.candidate_every_examples = 0;
-    learner_cfg.candidate_every_ms = 0;
-    learner_cfg.trainer.objectives = cfg.objective.weights(cfg.learner.trainer.objectives);
-    let setup = LearnerSetup {
-        learner: learner_cfg,
-        log: log_cfg.clone(),
-        registry: Some(RegistryConfig {
-            redis_url: cfg.redis_url.clone(),
-            key_prefix: format!("{prefix}:registry"),
-            adapter_dir: cfg.work_dir.join("adapters"),
-        }),
-        publish: Some(PublishConfig {
-            endpoints: vec![serve_url.clone()],
-            api_key: None,
-            gate: None,
-            promote: true,
-            load_timeout_ms: 60_000,
-        }),
-    };
+    let setup = learner_setup(
+        &cfg,
+        &prefix,
+        &base_name,
+        &adapter_name,
+        capture.log_cfg.clone(),
+        &serve_url,
+    );
     let (events_tx, mut events_rx) = mpsc::unbounded_channel();
     let (control_tx, control_rx) = mpsc::unbounded_channel();
     let (stop_learner, learner_stopped) = oneshot::channel::<()>();
     let learner = spawn_learner(setup, learner_stopped, Some(events_tx), Some(control_rx))?;
 
     let mut traffic = Vec::new();
-    let (mut seen_records, mut examples) = (0u64, 0u64);
-    let (mut train_ms, mut train_tokens) = (0u64, 0u64);
-    let mut replay_steps = 0u64;
+    let mut tally = Tally::default();
     let mut live: Option<u64> = None;
     // The last point's eval runs, compared with the base model's at the end.
-    let mut last: Option<(RunReport, Option<RunReport>)> = None;
+    let mut last: Option<Measured> = None;
     let mut sent = 0u64;
     while sent < sc.events {
         let n = sc.eval_every.min(sc.events - sent);
-        let mut env = EnvRunConfig::new(
-            format!("http://{proxy_addr}/v1"),
-            if live.is_some() {
-                adapter_name.clone()
-            } else {
-                base_name.clone()
-            },
-        );
-        env.episodes = n;
-        env.first_episode = sent;
-        env.rate_per_s = 20.0;
-        env.concurrency = sc.concurrency;
-        env.seed = sc.seed;
-        env.temperature = sc.temperature;
-        env.options = options;
-        env.run_id = format!("{prefix}-traffic");
-        env.feedback = Some(FeedbackConfig {
-            endpoint: format!("http://{proxy_addr}"),
-            secret: Some(SECRET.into()),
-            delay_ms: 100,
-            in_episode_order: sc.feedback_in_episode_order,
-        });
-        env.user = UserConfig {
-            noise_rate: sc.noise_rate,
-            correction_rate: sc.correction_rate,
-            thanks_rate: 0.0,
-            critique_style: sc.critique_style,
+        let model = if live.is_some() {
+            adapter_name.clone()
+        } else {
+            base_name.clone()
         };
-        let summary = run_env(env).await?;
-        if summary.feedback_failures > 0 {
-            bail!(
-                "{} episodes could not send feedback",
-                summary.feedback_failures
-            );
-        }
+        let summary = send_traffic(&cfg, &prefix, capture.proxy_addr, model, sent, n).await?;
         traffic.push(summary.exact_match);
         let judged = summary
             .outcomes
@@ -651,97 +403,33 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             .count() as u64;
         sent += n;
 
-        // Wait until the learner has taken in every judged turn of this chunk; give up only
-        // when it makes no progress for STALL (a chunk of slow steps can take longer in all).
-        const STALL: Duration = Duration::from_secs(600);
-        let want = seen_records + judged;
-        let mut deadline = Instant::now() + STALL;
-        while seen_records < want {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                bail!(
-                    "the learner took in {seen_records} of {want} records and then nothing for {} s",
-                    STALL.as_secs()
-                );
-            }
-            match tokio::time::timeout(left, events_rx.recv()).await {
-                Ok(Some(LearnerEvent::Step(r))) => {
-                    deadline = Instant::now() + STALL;
-                    seen_records += r.examples as u64;
-                    examples += r.examples as u64;
-                    train_ms += r.duration_ms;
-                    train_tokens += r.tokens as u64;
-                }
-                Ok(Some(LearnerEvent::Replay(r))) => {
-                    deadline = Instant::now() + STALL;
-                    replay_steps += 1;
-                    train_ms += r.duration_ms;
-                    train_tokens += r.tokens as u64;
-                }
-                Ok(Some(LearnerEvent::Skipped(_))) => seen_records += 1,
-                Ok(Some(LearnerEvent::Candidate(_))) => {}
-                Ok(None) => bail!("the learner stopped: {:?}", learner.join()),
-                Err(_) => {}
-            }
+        if !tally.take_in(&mut events_rx, judged).await? {
+            bail!("the learner stopped: {:?}", learner.join());
         }
         control_tx
             .send(LearnerControl::SnapshotNow)
             .context("learner gone")?;
-        let version = loop {
-            match events_rx.recv().await {
-                Some(LearnerEvent::Candidate(c)) => break c.version,
-                Some(LearnerEvent::Step(r)) => {
-                    examples += r.examples as u64;
-                    train_ms += r.duration_ms;
-                    train_tokens += r.tokens as u64;
-                }
-                Some(LearnerEvent::Replay(r)) => {
-                    replay_steps += 1;
-                    train_ms += r.duration_ms;
-                    train_tokens += r.tokens as u64;
-                }
-                Some(LearnerEvent::Skipped(_)) => {}
-                None => bail!("the learner stopped: {:?}", learner.join()),
-            }
+        let Some(version) = tally.next_candidate(&mut events_rx).await else {
+            bail!("the learner stopped: {:?}", learner.join());
         };
         live = Some(version);
-        let report = evaluate(&set, &eval_at(adapter_name.clone())).await?;
-        let trained = eval_trained(adapter_name.clone()).await?;
-        let (train_exact_match, train_field_accuracy) = trained_metrics(&trained);
-        let margins = probe_at(Some(
-            cfg.work_dir
-                .join("adapters")
-                .join(&adapter_name)
-                .join(format!("v{version}")),
-        ))
-        .await?;
+        let adapter_dir = cfg
+            .work_dir
+            .join("adapters")
+            .join(&adapter_name)
+            .join(format!("v{version}"));
+        let m = meter.measure(&adapter_name, Some(adapter_dir)).await?;
         tracing::info!(
             objective = cfg.objective.as_str(),
             events = sent,
-            examples,
+            examples = tally.examples,
             version,
-            exact_match = report.metrics.exact_match,
-            prior_margin = margins.held_out,
+            exact_match = m.report.metrics.exact_match,
+            prior_margin = m.margins.held_out,
             "Evaluated."
         );
-        points.push(CurvePoint {
-            events: sent,
-            examples,
-            exact_match: report.metrics.exact_match,
-            field_accuracy: report.metrics.field_accuracy,
-            train_exact_match,
-            train_field_accuracy,
-            distinct_answers: answer_spread(&set, &report).map(|s| s.0),
-            top_answer_share: answer_spread(&set, &report).map(|s| s.1),
-            exact_beyond_constant: exact_beyond_constant(&set, &report, &constant_baseline.answer)
-                .map(|e| e.0),
-            prior_margin: margins.held_out,
-            train_prior_margin: margins.trained,
-            passed: passed_items(&report),
-            version: Some(version),
-            wall_s: started.elapsed().as_secs_f64(),
-        });
-        last = Some((report, trained));
+        points.push(meter.point(&m, sent, tally.examples, Some(version), started));
+        last = Some(m);
     }
 
     let _ = stop_learner.send(());
@@ -750,33 +438,11 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         .ok()
         .and_then(|r| r.ok())
         .and_then(Result::ok);
-    let _ = stop_joiner.send(());
-    let _ = joiner.await;
-    let _ = stop_proxy.send(());
-    let _ = proxy.await;
+    capture.stop().await;
     let _ = stop_serve.send(());
-    let train_s = train_ms as f64 / 1000.0;
-    // Paired over the same tickets; the bootstrap is seeded, so a report is reproducible.
-    const RESAMPLES: usize = 10_000;
-    let (held_out_vs_base, trained_vs_base) = match &last {
-        Some((held_out, trained)) => (
-            Some(compare_runs(&base_report, held_out, RESAMPLES, sc.seed)?),
-            match (&base_trained, trained) {
-                (Some(a), Some(b)) => Some(compare_runs(a, b, RESAMPLES, sc.seed)?),
-                _ => None,
-            },
-        ),
-        None => (None, None),
-    };
-    let history_vs_base = match &last {
-        Some((held_out, _)) if set.items.len() > HISTORY_EVAL_ITEMS => Some(compare_runs(
-            &first_items(&set, &base_report, HISTORY_EVAL_ITEMS),
-            &first_items(&set, held_out, HISTORY_EVAL_ITEMS),
-            RESAMPLES,
-            sc.seed,
-        )?),
-        _ => None,
-    };
+    let train_s = tally.train_ms as f64 / 1000.0;
+    let (held_out_vs_base, trained_vs_base, history_vs_base) =
+        compare_with_base(&set, &base, last.as_ref(), sc.seed)?;
     Ok(LearningReport {
         config: cfg,
         points,
@@ -784,13 +450,13 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         traffic_exact_match: traffic,
         wall_s: started.elapsed().as_secs_f64(),
         train_s,
-        train_tokens,
+        train_tokens: tally.train_tokens,
         train_tokens_per_s: if train_s > 0.0 {
-            train_tokens as f64 / train_s
+            tally.train_tokens as f64 / train_s
         } else {
             0.0
         },
-        replay_steps,
+        replay_steps: tally.replay_steps,
         learner: summary.and_then(|s| serde_json::to_value(s).ok()),
         held_out_vs_base,
         trained_vs_base,
@@ -798,43 +464,324 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     })
 }
 
-/// The `host:port` addresses of a broker list and a Redis URL.
-fn service_addrs(brokers: &str, redis_url: &str) -> anyhow::Result<Vec<(&'static str, String)>> {
-    let mut addrs: Vec<(&'static str, String)> = brokers
-        .split(',')
-        .map(str::trim)
-        .filter(|b| !b.is_empty())
-        .map(|b| ("Kafka broker", b.to_string()))
-        .collect();
-    if addrs.is_empty() {
-        bail!("KAFKA_BROKERS is empty");
+/// Fails early when the run cannot work: the model file missing, an empty scenario, or (for
+/// a run that trains) the broker or Redis down.
+async fn check_ready(cfg: &LearningConfig) -> anyhow::Result<()> {
+    let sc = &cfg.scenario;
+    if !cfg.model_path().is_file() {
+        bail!(
+            "{} is missing: run deploy/fetch-model.sh",
+            cfg.model_path().display()
+        );
     }
-    // The redis crate's own URL parsing (defaults, credentials, schemes).
-    let client = redis::Client::open(redis_url)
-        .with_context(|| format!("REDIS_URL {redis_url:?} is not a Redis URL"))?;
-    let host_port = match &client.get_connection_info().addr {
-        redis::ConnectionAddr::Tcp(host, port) => format!("{host}:{port}"),
-        other => bail!("REDIS_URL {redis_url:?}: only plain TCP is checked here, not {other}"),
-    };
-    addrs.push(("Redis", host_port));
-    Ok(addrs)
-}
-
-/// Fails with what to run when a broker or Redis does not accept connections.
-async fn services_listen(brokers: &str, redis_url: &str) -> anyhow::Result<()> {
-    for (what, addr) in service_addrs(brokers, redis_url)? {
-        let connect = tokio::net::TcpStream::connect(addr.as_str());
-        match tokio::time::timeout(Duration::from_secs(3), connect).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => bail!(
-                "the {what} at {addr} does not accept connections ({e}): start the local \
-                 services with deploy/services.sh up"
-            ),
-            Err(_) => bail!(
-                "the {what} at {addr} did not answer within 3 s: start the local services \
-                 with deploy/services.sh up"
-            ),
-        }
+    if sc.eval_every == 0 || sc.events == 0 {
+        bail!("scenario.events and scenario.eval_every must be >= 1");
+    }
+    // The proxy never fails traffic when Kafka is down (it spills), so without this a run
+    // with the services stopped would wait on episodes that never come.
+    if cfg.objective != Objective::None {
+        services_listen(&cfg.brokers, &cfg.redis_url).await?;
     }
     Ok(())
+}
+
+/// The prior probe on the tickets whose decision is not the constant answer, when the
+/// scenario asks for it.
+fn prior_probe(
+    cfg: &LearningConfig,
+    set: &EvalSet,
+    train_set: Option<&EvalSet>,
+    constant_baseline: &ConstantBaseline,
+) -> anyhow::Result<Option<Arc<PriorProbe>>> {
+    if !cfg.scenario.prior_probe {
+        return Ok(None);
+    }
+    let probe = PriorProbe::new(cfg.model_path(), set, train_set, &constant_baseline.answer)?;
+    tracing::info!(
+        held_out = probe.sizes().0,
+        trained = probe.sizes().1,
+        "Prior probe ready (tickets whose decision is not the constant answer)."
+    );
+    Ok(Some(Arc::new(probe)))
+}
+
+/// The report of a run that does not train (`objective = none`): the base model does not
+/// change, so its curve is the same number at every point.
+fn untrained_report(
+    cfg: LearningConfig,
+    mut points: Vec<CurvePoint>,
+    constant_baseline: ConstantBaseline,
+    started: Instant,
+) -> LearningReport {
+    let sc = &cfg.scenario;
+    let mut e = sc.eval_every;
+    while e <= sc.events {
+        let mut p = points[0].clone();
+        p.events = e;
+        points.push(p);
+        e += sc.eval_every;
+    }
+    LearningReport {
+        config: cfg,
+        points,
+        constant_baseline: Some(constant_baseline),
+        traffic_exact_match: vec![],
+        wall_s: started.elapsed().as_secs_f64(),
+        train_s: 0.0,
+        train_tokens: 0,
+        train_tokens_per_s: 0.0,
+        replay_steps: 0,
+        learner: None,
+        held_out_vs_base: None,
+        trained_vs_base: None,
+        history_vs_base: None,
+    }
+}
+
+/// What one curve point measures of a model: the held-out eval run, the trained-ticket run
+/// (when asked for) and the prior probe's margins.
+struct Measured {
+    report: RunReport,
+    trained: Option<RunReport>,
+    margins: PriorMargins,
+}
+
+/// How the harness measures a model served at `serve_url`: the eval sets, the constant
+/// baseline's answer and the prior probe.
+struct Meter<'a> {
+    set: &'a EvalSet,
+    train_set: Option<&'a EvalSet>,
+    constant: &'a serde_json::Value,
+    probe: Option<Arc<PriorProbe>>,
+    serve_url: &'a str,
+}
+
+impl Meter<'_> {
+    /// The eval settings for `model`.
+    fn run_config(&self, model: String) -> RunConfig {
+        let mut rc = RunConfig::new(self.serve_url.to_string(), model);
+        rc.progress = false;
+        // The answers are kept to measure their spread (distinct decisions per point).
+        rc.keep_content = true;
+        rc.concurrency = 8;
+        rc
+    }
+
+    /// Evaluates `model` on the held-out tickets and on the trained ones (when asked for),
+    /// then probes its prior (the base model, or the adapter saved in `adapter_dir`).
+    async fn measure(&self, model: &str, adapter_dir: Option<PathBuf>) -> anyhow::Result<Measured> {
+        let report = evaluate(self.set, &self.run_config(model.to_string())).await?;
+        let trained = match self.train_set {
+            Some(set) => Some(evaluate(set, &self.run_config(model.to_string())).await?),
+            None => None,
+        };
+        let margins = self.probe_at(adapter_dir).await?;
+        Ok(Measured {
+            report,
+            trained,
+            margins,
+        })
+    }
+
+    /// Runs the probe off the async workers (it is seconds of CPU per point).
+    async fn probe_at(&self, adapter_dir: Option<PathBuf>) -> anyhow::Result<PriorMargins> {
+        match self.probe.clone() {
+            Some(p) => tokio::task::spawn_blocking(move || p.margins(adapter_dir.as_deref()))
+                .await
+                .context("the prior probe panicked")?,
+            None => Ok(PriorMargins::default()),
+        }
+    }
+
+    /// The curve point of measurement `m` after `events` feedback events and `examples`
+    /// trained examples, of candidate `version` (none for the base model).
+    fn point(
+        &self,
+        m: &Measured,
+        events: u64,
+        examples: u64,
+        version: Option<u64>,
+        started: Instant,
+    ) -> CurvePoint {
+        // Exact match and field accuracy of a trained-ticket run, when there is one.
+        let (train_exact_match, train_field_accuracy) = match &m.trained {
+            Some(r) => (Some(r.metrics.exact_match), r.metrics.field_accuracy),
+            None => (None, None),
+        };
+        let report = &m.report;
+        CurvePoint {
+            events,
+            examples,
+            exact_match: report.metrics.exact_match,
+            field_accuracy: report.metrics.field_accuracy,
+            train_exact_match,
+            train_field_accuracy,
+            distinct_answers: answer_spread(self.set, report).map(|s| s.0),
+            top_answer_share: answer_spread(self.set, report).map(|s| s.1),
+            exact_beyond_constant: exact_beyond_constant(self.set, report, self.constant)
+                .map(|e| e.0),
+            prior_margin: m.margins.held_out,
+            train_prior_margin: m.margins.trained,
+            passed: passed_items(report),
+            version,
+            wall_s: started.elapsed().as_secs_f64(),
+        }
+    }
+}
+
+/// One chunk of simulated traffic through the proxy at `proxy_addr`: `n` episodes from
+/// episode `first` answered by `model`, each judged by the simulated user through the
+/// feedback webhook.
+async fn send_traffic(
+    cfg: &LearningConfig,
+    prefix: &str,
+    proxy_addr: std::net::SocketAddr,
+    model: String,
+    first: u64,
+    n: u64,
+) -> anyhow::Result<EnvRunSummary> {
+    let sc = &cfg.scenario;
+    let mut env = EnvRunConfig::new(format!("http://{proxy_addr}/v1"), model);
+    env.episodes = n;
+    env.first_episode = first;
+    env.rate_per_s = 20.0;
+    env.concurrency = sc.concurrency;
+    env.seed = sc.seed;
+    env.temperature = sc.temperature;
+    env.options = single_turn(sc.records);
+    env.run_id = format!("{prefix}-traffic");
+    env.feedback = Some(FeedbackConfig {
+        endpoint: format!("http://{proxy_addr}"),
+        secret: Some(SECRET.into()),
+        delay_ms: 100,
+        in_episode_order: sc.feedback_in_episode_order,
+    });
+    env.user = UserConfig {
+        noise_rate: sc.noise_rate,
+        correction_rate: sc.correction_rate,
+        thanks_rate: 0.0,
+        critique_style: sc.critique_style,
+    };
+    let summary = run_env(env).await?;
+    if summary.feedback_failures > 0 {
+        bail!(
+            "{} episodes could not send feedback",
+            summary.feedback_failures
+        );
+    }
+    Ok(summary)
+}
+
+/// What the learner reported so far: records taken in, examples trained, step time and
+/// tokens, replay steps.
+#[derive(Default)]
+struct Tally {
+    seen_records: u64,
+    examples: u64,
+    train_ms: u64,
+    train_tokens: u64,
+    replay_steps: u64,
+}
+
+impl Tally {
+    /// Waits until the learner has taken in `judged` more records (trained or skipped); gives
+    /// up only when it makes no progress for `STALL` (a chunk of slow steps can take longer in
+    /// all). False when the learner stopped.
+    async fn take_in(
+        &mut self,
+        events_rx: &mut mpsc::UnboundedReceiver<LearnerEvent>,
+        judged: u64,
+    ) -> anyhow::Result<bool> {
+        const STALL: Duration = Duration::from_secs(600);
+        let want = self.seen_records + judged;
+        let mut deadline = Instant::now() + STALL;
+        while self.seen_records < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!(
+                    "the learner took in {} of {want} records and then nothing for {} s",
+                    self.seen_records,
+                    STALL.as_secs()
+                );
+            }
+            match tokio::time::timeout(left, events_rx.recv()).await {
+                Ok(Some(LearnerEvent::Step(r))) => {
+                    deadline = Instant::now() + STALL;
+                    self.seen_records += r.examples as u64;
+                    self.examples += r.examples as u64;
+                    self.train_ms += r.duration_ms;
+                    self.train_tokens += r.tokens as u64;
+                }
+                Ok(Some(LearnerEvent::Replay(r))) => {
+                    deadline = Instant::now() + STALL;
+                    self.replay_steps += 1;
+                    self.train_ms += r.duration_ms;
+                    self.train_tokens += r.tokens as u64;
+                }
+                Ok(Some(LearnerEvent::Skipped(_))) => self.seen_records += 1,
+                Ok(Some(LearnerEvent::Candidate(_))) => {}
+                Ok(None) => return Ok(false),
+                Err(_) => {}
+            }
+        }
+        Ok(true)
+    }
+
+    /// The version of the next candidate the learner registers, counting the steps before
+    /// it; `None` when the learner stopped.
+    async fn next_candidate(
+        &mut self,
+        events_rx: &mut mpsc::UnboundedReceiver<LearnerEvent>,
+    ) -> Option<u64> {
+        loop {
+            match events_rx.recv().await {
+                Some(LearnerEvent::Candidate(c)) => return Some(c.version),
+                Some(LearnerEvent::Step(r)) => {
+                    self.examples += r.examples as u64;
+                    self.train_ms += r.duration_ms;
+                    self.train_tokens += r.tokens as u64;
+                }
+                Some(LearnerEvent::Replay(r)) => {
+                    self.replay_steps += 1;
+                    self.train_ms += r.duration_ms;
+                    self.train_tokens += r.tokens as u64;
+                }
+                Some(LearnerEvent::Skipped(_)) => {}
+                None => return None,
+            }
+        }
+    }
+}
+
+/// The last point's eval runs against the base model's, paired over the same tickets: held
+/// out, trained (when scored), and the first [`HISTORY_EVAL_ITEMS`] held-out tickets (when the
+/// run scored more). The bootstrap is seeded, so a report is reproducible.
+#[allow(clippy::type_complexity)]
+fn compare_with_base(
+    set: &EvalSet,
+    base: &Measured,
+    last: Option<&Measured>,
+    seed: u64,
+) -> anyhow::Result<(Option<Comparison>, Option<Comparison>, Option<Comparison>)> {
+    const RESAMPLES: usize = 10_000;
+    let (held_out_vs_base, trained_vs_base) = match last {
+        Some(last) => (
+            Some(compare_runs(&base.report, &last.report, RESAMPLES, seed)?),
+            match (&base.trained, &last.trained) {
+                (Some(a), Some(b)) => Some(compare_runs(a, b, RESAMPLES, seed)?),
+                _ => None,
+            },
+        ),
+        None => (None, None),
+    };
+    let history_vs_base = match last {
+        Some(last) if set.items.len() > HISTORY_EVAL_ITEMS => Some(compare_runs(
+            &first_items(set, &base.report, HISTORY_EVAL_ITEMS),
+            &first_items(set, &last.report, HISTORY_EVAL_ITEMS),
+            RESAMPLES,
+            seed,
+        )?),
+        _ => None,
+    };
+    Ok((held_out_vs_base, trained_vs_base, history_vs_base))
 }

@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 use super::config::json_of;
 use super::plot::wrap_label;
+use super::services::{service_addrs, services_listen};
 use super::*;
 use hindsight_learner::online::LearnerConfig;
 
