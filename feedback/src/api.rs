@@ -661,7 +661,54 @@ fn parse_event(
     if let Some(k) = obj.keys().find(|k| !EVENT_FIELDS.contains(&k.as_str())) {
         return Err(ApiError::invalid(field(k), "unknown field"));
     }
-    let target = match (obj.get("interaction_id"), obj.get("episode_id")) {
+    let target = parse_target(cfg, obj, p)?;
+    let kind = obj
+        .get("kind")
+        .ok_or_else(|| ApiError::invalid(field("kind"), "missing"))?
+        .as_str()
+        .ok_or_else(|| ApiError::invalid(field("kind"), "must be a string"))?;
+    let metric = opt_name(obj, "metric", p, cfg.max_name_chars)?;
+    if metric.is_some() && kind != "score" {
+        return Err(ApiError::invalid(
+            field("metric"),
+            "only allowed with kind score",
+        ));
+    }
+    let retracts = match obj.get("retracts") {
+        None | Some(Value::Null) => None,
+        Some(r) => Some(parse_uuid(r, &field("retracts"))?),
+    };
+    let fv = parse_value(
+        cfg,
+        kind,
+        obj.get("value"),
+        metric.as_deref(),
+        retracts.is_some(),
+        p,
+    )?;
+    let tags = parse_tags(cfg, obj.get("tags"), p)?;
+    Ok(FeedbackRecord {
+        schema: FEEDBACK_SCHEMA.to_string(),
+        feedback_id: Uuid::now_v7(),
+        target,
+        value: fv,
+        metric,
+        source: opt_name(obj, "source", p, cfg.max_name_chars)?,
+        rater: opt_name(obj, "rater", p, cfg.max_name_chars)?,
+        tags,
+        retracts,
+        event_time_ms: now,
+    })
+}
+
+/// What an event is about: exactly one of `interaction_id` (a UUID) and `episode_id` (a name).
+fn parse_target(
+    cfg: &FeedbackConfig,
+    obj: &Map<String, Value>,
+    p: &str,
+) -> Result<FeedbackTarget, ApiError> {
+    let field = |k: &str| format!("{p}{k}");
+    Ok(match (obj.get("interaction_id"), obj.get("episode_id")) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
                 field("episode_id"),
@@ -679,26 +726,23 @@ fn parse_event(
                 "missing: give interaction_id or episode_id",
             ))
         }
-    };
-    let kind = obj
-        .get("kind")
-        .ok_or_else(|| ApiError::invalid(field("kind"), "missing"))?
-        .as_str()
-        .ok_or_else(|| ApiError::invalid(field("kind"), "must be a string"))?;
-    let value = obj.get("value");
+    })
+}
+
+/// An event's `value` as its `kind` requires: a boolean for thumbs, a number within the
+/// declared `metric`'s range for score, text for comment, a correction, a tool outcome, or
+/// nothing for a retraction (which needs `retracts`, `has_retracts`).
+fn parse_value(
+    cfg: &FeedbackConfig,
+    kind: &str,
+    value: Option<&Value>,
+    metric: Option<&str>,
+    has_retracts: bool,
+    p: &str,
+) -> Result<FeedbackValue, ApiError> {
+    let field = |k: &str| format!("{p}{k}");
     let need = |what: &str| ApiError::invalid(field("value"), what.to_string());
-    let metric = opt_name(obj, "metric", p, cfg.max_name_chars)?;
-    if metric.is_some() && kind != "score" {
-        return Err(ApiError::invalid(
-            field("metric"),
-            "only allowed with kind score",
-        ));
-    }
-    let retracts = match obj.get("retracts") {
-        None | Some(Value::Null) => None,
-        Some(r) => Some(parse_uuid(r, &field("retracts"))?),
-    };
-    let fv = match kind {
+    Ok(match kind {
         "thumbs" => FeedbackValue::Thumbs(
             value
                 .and_then(Value::as_bool)
@@ -709,7 +753,7 @@ fn parse_event(
                 .and_then(Value::as_f64)
                 .filter(|x| x.is_finite())
                 .ok_or_else(|| need("must be a number for kind score"))?;
-            let m = metric.as_deref().ok_or_else(|| {
+            let m = metric.ok_or_else(|| {
                 ApiError::invalid(field("metric"), "missing: kind score needs a metric")
             })?;
             let range = cfg.metrics.get(m).ok_or_else(|| {
@@ -741,7 +785,7 @@ fn parse_event(
             if value.is_some_and(|v| !v.is_null()) {
                 return Err(need("must be absent for kind retraction"));
             }
-            if retracts.is_none() {
+            if !has_retracts {
                 return Err(ApiError::invalid(
                     field("retracts"),
                     "missing: kind retraction needs retracts",
@@ -755,8 +799,18 @@ fn parse_event(
                 "must be one of thumbs, score, comment, correction, tool_outcome, retraction",
             ))
         }
-    };
-    let tags = match obj.get("tags") {
+    })
+}
+
+/// An event's `tags`: at most `max_tags` strings of at most `max_name_chars` (none when
+/// absent or null).
+fn parse_tags(
+    cfg: &FeedbackConfig,
+    tags: Option<&Value>,
+    p: &str,
+) -> Result<Vec<String>, ApiError> {
+    let field = |k: &str| format!("{p}{k}");
+    Ok(match tags {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => {
             if a.len() > cfg.max_tags {
@@ -783,18 +837,6 @@ fn parse_event(
                 "must be an array of strings",
             ))
         }
-    };
-    Ok(FeedbackRecord {
-        schema: FEEDBACK_SCHEMA.to_string(),
-        feedback_id: Uuid::now_v7(),
-        target,
-        value: fv,
-        metric,
-        source: opt_name(obj, "source", p, cfg.max_name_chars)?,
-        rater: opt_name(obj, "rater", p, cfg.max_name_chars)?,
-        tags,
-        retracts,
-        event_time_ms: now,
     })
 }
 

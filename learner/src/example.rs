@@ -4,7 +4,7 @@
 //! carrying the text feedback), the correction's tokens, and the scalar signals.
 
 use hindsight_eval::{hindsight_messages, HindsightPlacement};
-use hindsight_feedback::{Correction, EpisodeRecord, FeedbackValue};
+use hindsight_feedback::{Correction, EpisodeRecord, FeedbackEvent, FeedbackValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokenizers::Tokenizer;
@@ -182,29 +182,23 @@ fn message_text(answer: &Value) -> Option<String> {
     }
 }
 
-/// Builds the example for `rec`, or says why there is none. `end_of_turn` is the token that
-/// closes an assistant turn in the chat template (e.g. `<|im_end|>`).
-pub fn build_example(
-    rec: &EpisodeRecord,
-    tokenizer: &Tokenizer,
-    template: &ChatTemplate,
-    end_of_turn: u32,
-    cfg: &ExampleConfig,
-) -> std::result::Result<TrainExample, SkipReason> {
-    let answer = rec.answer.as_ref().ok_or(SkipReason::NoAnswer)?;
-    let answer_text = message_text(answer).ok_or(SkipReason::NoAnswer)?;
-    let messages = rec
-        .context
-        .messages
-        .as_array()
-        .ok_or(SkipReason::Unrenderable)?;
+/// What an example learns from its feedback events: feedback texts for the teacher (comments,
+/// corrections, failed tool steps), rewards in [-1, 1], the last thumbs, the last non-empty
+/// correction.
+struct Signals {
+    texts: Vec<String>,
+    rewards: Vec<f64>,
+    thumbs: Option<bool>,
+    correction: Option<String>,
+}
 
-    // Signals.
+/// The [`Signals`] of a turn's feedback events, in order.
+fn signals(feedback: &[FeedbackEvent], cfg: &ExampleConfig) -> Signals {
     let mut texts = Vec::new();
     let mut rewards = Vec::new();
     let mut thumbs = None;
     let mut correction: Option<String> = None;
-    for f in &rec.feedback {
+    for f in feedback {
         match &f.value {
             FeedbackValue::Thumbs(up) => {
                 thumbs = Some(*up);
@@ -240,6 +234,73 @@ pub fn build_example(
             FeedbackValue::Retraction => {}
         }
     }
+    Signals {
+        texts,
+        rewards,
+        thumbs,
+        correction,
+    }
+}
+
+/// The answer's token ids and their behaviour log-probs (when logged), ending with
+/// `end_of_turn`.
+fn answer_tokens(
+    rec: &EpisodeRecord,
+    tokenizer: &Tokenizer,
+    answer_text: &str,
+    end_of_turn: u32,
+) -> std::result::Result<(Vec<u32>, Option<Vec<f32>>), SkipReason> {
+    // Answer tokens: the sampled ids when logged (exactly what the policy produced), else the
+    // answer re-tokenized; then the end-of-turn token the model must also learn to emit.
+    let (mut answer_ids, mut behaviour) = match &rec.behaviour {
+        Some(b)
+            if b.token_ids
+                .as_ref()
+                .is_some_and(|ids| ids.len() == b.logprobs.len()) =>
+        {
+            (
+                b.token_ids.clone().unwrap_or_default(),
+                Some(b.logprobs.clone()),
+            )
+        }
+        _ => (
+            encode(tokenizer, answer_text).map_err(|_| SkipReason::Unrenderable)?,
+            None,
+        ),
+    };
+    if answer_ids.last() != Some(&end_of_turn) {
+        answer_ids.push(end_of_turn);
+        if let Some(b) = behaviour.as_mut() {
+            b.push(f32::NAN);
+        }
+    }
+    Ok((answer_ids, behaviour))
+}
+
+/// Builds the example for `rec`, or says why there is none. `end_of_turn` is the token that
+/// closes an assistant turn in the chat template (e.g. `<|im_end|>`).
+pub fn build_example(
+    rec: &EpisodeRecord,
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    end_of_turn: u32,
+    cfg: &ExampleConfig,
+) -> std::result::Result<TrainExample, SkipReason> {
+    let answer = rec.answer.as_ref().ok_or(SkipReason::NoAnswer)?;
+    let answer_text = message_text(answer).ok_or(SkipReason::NoAnswer)?;
+    let messages = rec
+        .context
+        .messages
+        .as_array()
+        .ok_or(SkipReason::Unrenderable)?;
+
+    // Signals.
+    let Signals {
+        texts,
+        rewards,
+        thumbs,
+        correction,
+    } = signals(&rec.feedback, cfg);
     if texts.is_empty() && rewards.is_empty() {
         return Err(SkipReason::NoFeedback);
     }
@@ -258,30 +319,7 @@ pub fn build_example(
     };
     let context_ids = render(messages).map_err(|_| SkipReason::Unrenderable)?;
 
-    // Answer tokens: the sampled ids when logged (exactly what the policy produced), else the
-    // answer re-tokenized; then the end-of-turn token the model must also learn to emit.
-    let (mut answer_ids, mut behaviour) = match &rec.behaviour {
-        Some(b)
-            if b.token_ids
-                .as_ref()
-                .is_some_and(|ids| ids.len() == b.logprobs.len()) =>
-        {
-            (
-                b.token_ids.clone().unwrap_or_default(),
-                Some(b.logprobs.clone()),
-            )
-        }
-        _ => (
-            encode(tokenizer, &answer_text).map_err(|_| SkipReason::Unrenderable)?,
-            None,
-        ),
-    };
-    if answer_ids.last() != Some(&end_of_turn) {
-        answer_ids.push(end_of_turn);
-        if let Some(b) = behaviour.as_mut() {
-            b.push(f32::NAN);
-        }
-    }
+    let (answer_ids, behaviour) = answer_tokens(rec, tokenizer, &answer_text, end_of_turn)?;
     if answer_ids.len() < 2 {
         return Err(SkipReason::NoAnswer);
     }
