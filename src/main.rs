@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 use serde::Deserialize;
 
 mod adapters;
+mod rollout;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -55,6 +56,9 @@ enum Command {
     Learner(LearnerCliArgs),
     /// Read the adapter registry: list, show and diff versions.
     Adapters(adapters::AdaptersArgs),
+    /// Canary rollouts: run the controller, or start, inspect, pause, promote, roll back, kill,
+    /// pin and audit a route's rollout.
+    Rollout(rollout::RolloutArgs),
 }
 
 /// `hindsight learner`.
@@ -110,7 +114,7 @@ struct JoinFile {
 #[derive(Debug, clap::Args)]
 struct TailArgs {
     /// Which topic: interactions, feedback, episodes or deadletter.
-    #[arg(value_parser = ["interactions", "feedback", "episodes", "deadletter"])]
+    #[arg(value_parser = ["interactions", "feedback", "episodes", "deadletter", "rollouts"])]
     topic: String,
     /// Kafka bootstrap servers.
     #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
@@ -229,6 +233,7 @@ async fn run_tail(args: TailArgs) -> anyhow::Result<()> {
         "interactions" => Topic::Interactions,
         "feedback" => Topic::Feedback,
         "episodes" => Topic::Episodes,
+        "rollouts" => Topic::Rollouts,
         _ => Topic::DeadLetter,
     };
     let log = LogConfig {
@@ -324,12 +329,28 @@ async fn run() -> anyhow::Result<()> {
         Command::Tail(args) => run_tail(args).await,
         Command::Learner(args) => run_learner(args).await,
         Command::Adapters(args) => adapters::run(args).await,
+        Command::Rollout(args) => rollout::run(args, shutdown_signal()).await,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct RolloutFileForTest {
+        #[serde(default)]
+        routing: hindsight_routing::RoutingConfig,
+        #[serde(default)]
+        rollout: hindsight_control::rollout::RolloutConfig,
+        #[serde(default)]
+        #[allow(dead_code)]
+        log: hindsight_feedback::LogConfig,
+        #[serde(default)]
+        #[allow(dead_code)]
+        registry: hindsight_control::registry::RegistryConfig,
+    }
 
     /// deploy/hindsight.example.toml holds every process's sections; each process reads its
     /// own from it and ignores the others'.
@@ -361,6 +382,24 @@ mod tests {
             ..Default::default()
         };
         serve.load().unwrap();
+        let rollout: RolloutFileForTest = hindsight_core::load_toml(
+            Some(&path),
+            Vec::new(),
+            &["routing", "rollout", "log", "registry"],
+        )
+        .unwrap();
+        rollout.routing.validate().unwrap();
+        rollout.rollout.validate().unwrap();
+        assert_eq!(
+            rollout.routing,
+            hindsight_routing::RoutingConfig::default(),
+            "[routing] drifted from the defaults"
+        );
+        assert_eq!(
+            rollout.rollout,
+            hindsight_control::rollout::RolloutConfig::default(),
+            "[rollout] drifted from the defaults"
+        );
         hindsight_proxy::RawConfig::load(Some(&path), Vec::new())
             .unwrap()
             .validate()

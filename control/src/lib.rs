@@ -4,3 +4,4 @@
 pub mod publish;
 pub mod registry;
 pub mod report;
+pub mod rollout;

@@ -13,6 +13,8 @@ use std::path::Path;
 pub const SECTIONS: &[&str] = &[
     "log",      // Kafka brokers, topics, spill: every process that touches Kafka
     "proxy",    // hindsight proxy
+    "routing",  // the canary routing table (hindsight proxy, hindsight rollout)
+    "rollout",  // the rollout controller (hindsight rollout run)
     "feedback", // the feedback API (hindsight proxy, hindsight feedback)
     "joiner",   // hindsight join
     "serve",    // hindsight serve

@@ -22,10 +22,10 @@ pub use log::{
 };
 pub use reader::{check_position, PositionCheck, Positions, RawRecord, TopicReader};
 pub use records::{
-    now_ms, Behaviour, Correction, CorrectionMessage, DeadLetterRecord, EpisodeContext,
-    EpisodeRecord, EpisodeSource, FeedbackEvent, FeedbackRecord, FeedbackTarget, FeedbackValue,
-    InteractionRecord, Timings, ToolOutcome, Topic, DEAD_LETTER_SCHEMA, EPISODE_SCHEMA,
-    FEEDBACK_SCHEMA, INTERACTION_SCHEMA,
+    now_ms, AssignmentRecord, Behaviour, Correction, CorrectionMessage, DeadLetterRecord,
+    EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackEvent, FeedbackRecord, FeedbackTarget,
+    FeedbackValue, InteractionRecord, Timings, ToolOutcome, Topic, DEAD_LETTER_SCHEMA,
+    EPISODE_SCHEMA, FEEDBACK_SCHEMA, INTERACTION_SCHEMA,
 };
 pub use signing::{sign, verify, Secret, SignatureError, SIGNATURE_HEADER, TIMESTAMP_HEADER};
 

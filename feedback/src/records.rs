@@ -81,6 +81,26 @@ pub struct InteractionRecord {
     pub behaviour: Option<Behaviour>,
     /// What went wrong, if anything (e.g. "client disconnected mid-stream").
     pub error: Option<String>,
+    /// The canary assignment, when the request named a routed logical model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub assignment: Option<AssignmentRecord>,
+}
+
+/// How the proxy's routing table assigned a call (see the routing crate): enough to compare
+/// versions online and to evaluate a version off-policy from logged traffic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AssignmentRecord {
+    /// The logical model the client named (the route).
+    pub route: String,
+    /// `stable`, `canary` or `pinned`.
+    pub arm: String,
+    /// The version sent upstream.
+    pub version: String,
+    /// The rollout running at the time, if any.
+    #[serde(default)]
+    pub rollout_id: Option<String>,
+    /// Probability of this arm for this request's key under the table at the time.
+    pub probability: f64,
 }
 
 /// What a feedback event says.
@@ -286,15 +306,18 @@ pub enum Topic {
     Episodes,
     /// `hindsight.deadletter`, key = the record's id.
     DeadLetter,
+    /// `hindsight.rollouts`, key = the route: every rollout decision (audit records).
+    Rollouts,
 }
 
 impl Topic {
     /// All topics, in a fixed order.
-    pub const ALL: [Topic; 4] = [
+    pub const ALL: [Topic; 5] = [
         Topic::Interactions,
         Topic::Feedback,
         Topic::Episodes,
         Topic::DeadLetter,
+        Topic::Rollouts,
     ];
 
     /// The default topic name (prefix `hindsight`).
@@ -304,6 +327,7 @@ impl Topic {
             Topic::Feedback => "hindsight.feedback",
             Topic::Episodes => "hindsight.episodes",
             Topic::DeadLetter => "hindsight.deadletter",
+            Topic::Rollouts => "hindsight.rollouts",
         }
     }
 
@@ -314,6 +338,7 @@ impl Topic {
             Topic::Feedback => "feedback",
             Topic::Episodes => "episodes",
             Topic::DeadLetter => "deadletter",
+            Topic::Rollouts => "rollouts",
         }
     }
 
@@ -328,6 +353,7 @@ impl Topic {
             Topic::Feedback => 1,
             Topic::Episodes => 2,
             Topic::DeadLetter => 3,
+            Topic::Rollouts => 4,
         }
     }
 
@@ -337,6 +363,7 @@ impl Topic {
             1 => Some(Topic::Feedback),
             2 => Some(Topic::Episodes),
             3 => Some(Topic::DeadLetter),
+            4 => Some(Topic::Rollouts),
             _ => None,
         }
     }

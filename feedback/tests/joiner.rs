@@ -44,6 +44,7 @@ fn interaction(
         adapter: Some("adapter-v1".into()),
         behaviour: None,
         error: None,
+        assignment: None,
     }
 }
 

@@ -23,6 +23,9 @@ pub struct RawConfig {
     /// The feedback API mounted at `/hindsight/v1/feedback` (signing, limits, idempotency).
     #[serde(default)]
     pub feedback: hindsight_feedback::FeedbackConfig,
+    /// Canary routing from the Redis routing table.
+    #[serde(default)]
+    pub routing: hindsight_routing::RoutingConfig,
 }
 
 /// `[proxy]` as written in the file.
@@ -176,6 +179,8 @@ pub struct Config {
     pub log: hindsight_feedback::ValidatedLogConfig,
     /// `None` when `proxy.feedback_api = false`.
     pub feedback: Option<hindsight_feedback::ValidatedFeedbackConfig>,
+    /// `None` when `routing.enabled = false`.
+    pub routing: Option<hindsight_routing::RoutingConfig>,
 }
 
 impl RawConfig {
@@ -185,7 +190,7 @@ impl RawConfig {
         path: Option<&Path>,
         env: impl IntoIterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        hindsight_core::load_toml(path, env, &["proxy", "log", "feedback"])
+        hindsight_core::load_toml(path, env, &["proxy", "log", "feedback", "routing"])
     }
 
     /// Validates into the typed config.
@@ -266,10 +271,25 @@ impl RawConfig {
                 reason: other.to_string(),
             },
         })?;
+        let routing = if self.routing.enabled {
+            self.routing.validate().map_err(|e| match e {
+                hindsight_routing::RoutingError::Invalid { field, reason } => {
+                    ConfigError::Invalid { key: field, reason }
+                }
+                other => ConfigError::Invalid {
+                    key: "routing".into(),
+                    reason: other.to_string(),
+                },
+            })?;
+            Some(self.routing)
+        } else {
+            None
+        };
         Ok(Config {
             proxy,
             log,
             feedback,
+            routing,
         })
     }
 }

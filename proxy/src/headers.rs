@@ -3,7 +3,7 @@
 
 use http::header::{HeaderMap, HeaderName};
 
-pub use hindsight_core::headers::{ADAPTER, EPISODE, INTERACTION_ID, NO_LOG};
+pub use hindsight_core::headers::{ADAPTER, EPISODE, INTERACTION_ID, NO_LOG, USER};
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) apply to one connection and are not forwarded.
 const HOP_BY_HOP: &[&str] = &[

@@ -25,6 +25,7 @@ use crate::capture::{spawn_encoder, CaptureLayer, CaptureShared, EpisodePerCall,
 use crate::config::Config;
 use crate::error::{box_body_error, ProxyBody, ProxyError};
 use crate::forward::{ErrorToResponse, Forward};
+use crate::routing::{RoutingLayer, RoutingShared};
 use crate::telemetry::{admin_router, prometheus, Readiness, TelemetryLayer};
 
 /// What an embedding process may add to the proxy.
@@ -49,12 +50,15 @@ pub struct ShutdownReport {
 /// 3. `Telemetry`: span + metrics; sits outside routing and capture so it sees every request
 ///    and the final status, proxy errors included.
 /// 4. `HindsightRoutes`: `/hindsight/…` is answered by Hindsight itself and never forwarded.
-/// 5. `Capture`: wraps forwarding so it records the request as sent and the response as the
+/// 5. `Routing`: a call naming a routed model gets its arm and its `model` rewritten to the
+///    assigned version, before capture so the record shows the request as sent upstream.
+/// 6. `Capture`: wraps forwarding so it records the request as sent and the response as the
 ///    client receives it.
-/// 6. `Forward`: the upstream client.
+/// 7. `Forward`: the upstream client.
 fn stack(
     config: &Config,
     shared: CaptureShared,
+    routing: RoutingLayer,
     hindsight_routes: Router,
 ) -> impl tower::Service<
     Request<hyper::body::Incoming>,
@@ -75,6 +79,7 @@ fn stack(
             inner,
             router: hindsight_routes.clone().fallback(hindsight_not_found),
         })
+        .layer(routing)
         .layer(CaptureLayer::new(shared))
         .service(Forward::new(
             p.upstream.clone(),
@@ -117,12 +122,35 @@ pub async fn run(
         encoder,
         request_behaviour: config.proxy.request_behaviour,
     };
-    let service = stack(&config, shared, routes);
+    let watcher = match &config.routing {
+        Some(r) => Some(
+            hindsight_routing::spawn_watcher(
+                r.store(),
+                r.fallback_routes(),
+                Duration::from_millis(r.resync_ms),
+            )
+            .map_err(|e| FeedbackError::Config {
+                key: "routing".into(),
+                reason: e.to_string(),
+            })?,
+        ),
+        None => None,
+    };
+    let routing = RoutingLayer::new(match (&config.routing, &watcher) {
+        (Some(r), Some(w)) => Some(RoutingShared {
+            table: w.handle.clone(),
+            memory: hindsight_routing::EpisodeMemory::new(r.episode_memory),
+            capture_paths: config.proxy.capture_paths.clone(),
+            max_request_body_bytes: config.proxy.max_request_body_bytes,
+        }),
+        _ => None,
+    });
+    let service = stack(&config, shared, routing, routes);
 
     let ready = Readiness::default();
     let admin_shutdown = tokio_util::sync::CancellationToken::new();
     let admin_task = {
-        let router = admin_router(ready.clone());
+        let router = admin_router(ready.clone(), watcher.as_ref().map(|w| w.handle.clone()));
         let token = admin_shutdown.clone();
         tokio::spawn(async move {
             let _ = axum::serve(admin, router)
@@ -181,6 +209,10 @@ pub async fn run(
         .is_err()
     {
         tracing::warn!("Shutdown: record encoder did not finish within the grace period.");
+    }
+    if let Some(w) = watcher {
+        w.cancel.cancel();
+        let _ = w.task.await;
     }
     let log = log.shutdown(config.proxy.shutdown_grace).await;
     admin_shutdown.cancel();

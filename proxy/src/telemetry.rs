@@ -172,19 +172,23 @@ impl Readiness {
 struct AdminState {
     prometheus: Option<PrometheusHandle>,
     ready: Readiness,
+    routing: Option<hindsight_routing::TableHandle>,
 }
 
 /// The admin router. The log's own gauges and counters (`hindsight_log_*`: queue depth,
 /// spill bytes, spilled/replayed/delivered/dropped records) are exported alongside the proxy's.
-pub fn admin_router(ready: Readiness) -> Router {
+/// `/routing` shows the routing table this proxy holds (generation per route, stale or not).
+pub fn admin_router(ready: Readiness, routing: Option<hindsight_routing::TableHandle>) -> Router {
     let state = AdminState {
         prometheus: prometheus(),
         ready,
+        routing,
     };
     Router::new()
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/routing", get(routing_handler))
         .with_state(state)
 }
 
@@ -196,6 +200,18 @@ async fn metrics_handler(State(s): State<AdminState>) -> (StatusCode, String) {
             "metrics recorder not installed in this process\n".into(),
         ),
     }
+}
+
+async fn routing_handler(State(s): State<AdminState>) -> axum::Json<serde_json::Value> {
+    axum::Json(match &s.routing {
+        None => serde_json::json!({"enabled": false}),
+        Some(h) => {
+            let table = h.snapshot();
+            let mut routes: Vec<_> = table.routes().map(|r| (**r).clone()).collect();
+            routes.sort_by(|a, b| a.route.cmp(&b.route));
+            serde_json::json!({"enabled": true, "stale": h.is_stale(), "routes": routes})
+        }
+    })
 }
 
 async fn readyz(State(s): State<AdminState>) -> (StatusCode, &'static str) {

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use hindsight_feedback::{
-    Behaviour, EpisodeSource, InteractionRecord, LogHandle, Timings, Topic, INTERACTION_SCHEMA,
+    AssignmentRecord, Behaviour, EpisodeSource, InteractionRecord, LogHandle, Timings, Topic,
+    INTERACTION_SCHEMA,
 };
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -174,6 +175,13 @@ impl Encoder {
             adapter,
             behaviour,
             error,
+            assignment: ex.assignment.map(|a| AssignmentRecord {
+                route: a.route,
+                arm: a.arm.as_str().to_string(),
+                version: a.version,
+                rollout_id: a.rollout_id,
+                probability: a.probability,
+            }),
         }
     }
 }

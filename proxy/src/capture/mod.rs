@@ -49,6 +49,8 @@ pub struct CapturedExchange {
     /// The proxy asked the upstream for behaviour log-probs the client did not request; they
     /// were removed from what the client received.
     pub behaviour_injected: bool,
+    /// The canary assignment, when the request named a routed model.
+    pub assignment: Option<hindsight_routing::Assignment>,
 }
 
 /// What every capture shares: settings and the channel to the encoder.
@@ -128,7 +130,10 @@ where
             let received_ms = now_ms();
             let (mut parts, body) = req.into_parts();
             let request = read_limited(body, shared.max_request_body_bytes).await?;
-            let interaction_id = Uuid::now_v7();
+            let routed = parts.extensions.remove::<crate::routing::Routed>();
+            let interaction_id = routed
+                .as_ref()
+                .map_or_else(Uuid::now_v7, |r| r.interaction_id);
             let behaviour_injected =
                 shared.request_behaviour && !strip::client_wants_logprobs(&request);
             if behaviour_injected {
@@ -160,6 +165,7 @@ where
                 total_ms: 0.0,
                 error: None,
                 behaviour_injected,
+                assignment: routed.map(|r| r.assignment),
             };
             let result = inner.call(Request::from_parts(parts, full(request))).await;
             let mut exchange = exchange;
@@ -214,7 +220,7 @@ where
 
 /// Reads the whole request body, refusing more than `limit` bytes. Boxed so the calling
 /// future's `Send` proof does not have to see through `Limited`'s error conversions.
-fn read_limited(
+pub(crate) fn read_limited(
     body: ProxyBody,
     limit: usize,
 ) -> Pin<Box<dyn Future<Output = Result<Bytes, ProxyError>> + Send>> {

@@ -1,0 +1,218 @@
+//! `[rollout]`: how the controller moves a canary through its stages and what stops it. Every
+//! key has a default; `deploy/hindsight.example.toml` documents them.
+
+use serde::{Deserialize, Serialize};
+
+use hindsight_routing::{validate_stages, RoutingError};
+
+use super::metrics::MetricBounds;
+use super::stats::Alpha;
+
+/// What a drift alarm does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DriftPolicy {
+    /// Stop advancing, keep the canary's weight, wait for an operator.
+    Freeze,
+    /// Roll back at once.
+    Rollback,
+}
+
+/// What a new accepted candidate does while a canary runs on its route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CandidatePolicy {
+    /// Wait until the running rollout ends, then start (newest queued candidate only).
+    Queue,
+    /// Roll the running canary back and start the new one.
+    Supersede,
+}
+
+/// `[rollout]` as written in the file.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// Canary weight of each stage; increasing, the last 1.0 (promotion).
+    #[serde(default = "default_stages")]
+    pub stages: Vec<f64>,
+    /// Least time in a stage before it may advance.
+    #[serde(default = "default_min_stage_ms")]
+    pub min_stage_ms: u64,
+    /// Least exposures per arm (canary and stable, this rollout) before a stage advances.
+    #[serde(default = "default_min_exposures")]
+    pub min_exposures: u64,
+    /// Least matured exposures with feedback per arm before a stage advances.
+    #[serde(default = "default_min_matured_feedback")]
+    pub min_matured_feedback: u64,
+    /// Feedback counts for an exposure only once it is this old (late feedback is the norm).
+    #[serde(default = "default_maturation_ms")]
+    pub maturation_ms: u64,
+    /// Error level of each anytime-valid test (per guard).
+    #[serde(default = "default_alpha")]
+    pub alpha: f64,
+    /// Non-inferiority margin: the canary's negative-feedback rate may exceed stable's by this.
+    #[serde(default = "default_negative_feedback_margin")]
+    pub negative_feedback_margin: f64,
+    /// Margin on the upstream error + timeout rate.
+    #[serde(default = "default_error_rate_margin")]
+    pub error_rate_margin: f64,
+    /// Margin on mean latency, ms.
+    #[serde(default = "default_latency_margin_ms")]
+    pub latency_margin_ms: f64,
+    /// Latency bound for the test (set it to the upstream timeout), ms.
+    #[serde(default = "default_latency_bound_ms")]
+    pub latency_bound_ms: f64,
+    /// Drift alarm on empty or unparseable answers: canary rate above stable's by this.
+    #[serde(default = "default_empty_rate_margin")]
+    pub empty_rate_margin: f64,
+    /// Drift alarm when mean answer length leaves [stable / r, stable × r].
+    #[serde(default = "default_ratio")]
+    pub length_ratio: f64,
+    /// Answer length bound for the test, tokens.
+    #[serde(default = "default_length_bound_tokens")]
+    pub length_bound_tokens: f64,
+    /// Drift alarm when tool calls per turn leave [stable / r, stable × r].
+    #[serde(default = "default_ratio")]
+    pub tool_calls_ratio: f64,
+    /// Tool calls per turn bound for the test.
+    #[serde(default = "default_tool_calls_bound")]
+    pub tool_calls_bound: f64,
+    /// What a drift alarm does.
+    #[serde(default = "default_on_drift")]
+    pub on_drift: DriftPolicy,
+    /// What a new candidate does while a canary runs.
+    #[serde(default = "default_on_new_candidate")]
+    pub on_new_candidate: CandidatePolicy,
+    /// How often the controller evaluates every route.
+    #[serde(default = "default_eval_interval_ms")]
+    pub eval_interval_ms: u64,
+}
+
+fn default_stages() -> Vec<f64> {
+    vec![0.01, 0.05, 0.25, 0.5, 1.0]
+}
+fn default_min_stage_ms() -> u64 {
+    600_000
+}
+fn default_min_exposures() -> u64 {
+    200
+}
+fn default_min_matured_feedback() -> u64 {
+    50
+}
+fn default_maturation_ms() -> u64 {
+    300_000
+}
+fn default_alpha() -> f64 {
+    0.05
+}
+fn default_negative_feedback_margin() -> f64 {
+    0.02
+}
+fn default_error_rate_margin() -> f64 {
+    0.01
+}
+fn default_latency_margin_ms() -> f64 {
+    250.0
+}
+fn default_latency_bound_ms() -> f64 {
+    60_000.0
+}
+fn default_empty_rate_margin() -> f64 {
+    0.02
+}
+fn default_ratio() -> f64 {
+    1.5
+}
+fn default_length_bound_tokens() -> f64 {
+    4_096.0
+}
+fn default_tool_calls_bound() -> f64 {
+    16.0
+}
+fn default_on_drift() -> DriftPolicy {
+    DriftPolicy::Freeze
+}
+fn default_on_new_candidate() -> CandidatePolicy {
+    CandidatePolicy::Queue
+}
+fn default_eval_interval_ms() -> u64 {
+    1_000
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            stages: default_stages(),
+            min_stage_ms: default_min_stage_ms(),
+            min_exposures: default_min_exposures(),
+            min_matured_feedback: default_min_matured_feedback(),
+            maturation_ms: default_maturation_ms(),
+            alpha: default_alpha(),
+            negative_feedback_margin: default_negative_feedback_margin(),
+            error_rate_margin: default_error_rate_margin(),
+            latency_margin_ms: default_latency_margin_ms(),
+            latency_bound_ms: default_latency_bound_ms(),
+            empty_rate_margin: default_empty_rate_margin(),
+            length_ratio: default_ratio(),
+            length_bound_tokens: default_length_bound_tokens(),
+            tool_calls_ratio: default_ratio(),
+            tool_calls_bound: default_tool_calls_bound(),
+            on_drift: default_on_drift(),
+            on_new_candidate: default_on_new_candidate(),
+            eval_interval_ms: default_eval_interval_ms(),
+        }
+    }
+}
+
+impl RolloutConfig {
+    /// Checks every value; the error names the key under `rollout.`.
+    pub fn validate(&self) -> Result<(), RoutingError> {
+        let bad = |key: &str, reason: String| RoutingError::Invalid {
+            field: format!("rollout.{key}"),
+            reason,
+        };
+        validate_stages(&self.stages).map_err(|e| bad("stages", e.to_string()))?;
+        Alpha::new(self.alpha).map_err(|e| bad("alpha", e.to_string()))?;
+        for (key, v) in [
+            ("negative_feedback_margin", self.negative_feedback_margin),
+            ("error_rate_margin", self.error_rate_margin),
+            ("empty_rate_margin", self.empty_rate_margin),
+        ] {
+            if !(v.is_finite() && (0.0..1.0).contains(&v)) {
+                return Err(bad(key, format!("{v} is outside [0, 1)")));
+            }
+        }
+        for (key, v) in [
+            ("latency_margin_ms", self.latency_margin_ms),
+            ("latency_bound_ms", self.latency_bound_ms),
+            ("length_bound_tokens", self.length_bound_tokens),
+            ("tool_calls_bound", self.tool_calls_bound),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(key, format!("{v} must be a positive number")));
+            }
+        }
+        for (key, v) in [
+            ("length_ratio", self.length_ratio),
+            ("tool_calls_ratio", self.tool_calls_ratio),
+        ] {
+            if !(v.is_finite() && v > 1.0) {
+                return Err(bad(key, format!("{v} must be greater than 1")));
+            }
+        }
+        if self.eval_interval_ms == 0 {
+            return Err(bad("eval_interval_ms", "must be greater than 0".into()));
+        }
+        Ok(())
+    }
+
+    /// The metric bounds the tests use.
+    pub fn bounds(&self) -> MetricBounds {
+        MetricBounds {
+            latency_ms: self.latency_bound_ms,
+            length_tokens: self.length_bound_tokens,
+            tool_calls: self.tool_calls_bound,
+        }
+    }
+}

@@ -1,0 +1,434 @@
+//! The rollout controller: reads interactions and feedback, keeps the online metrics per arm,
+//! and for every running rollout decides — continuously, with anytime-valid tests — whether
+//! to roll back (a guard shows harm), freeze or roll back (a drift alarm), advance (the
+//! stage's minimums are met and nothing fired; the last stage promotes) or wait (and why).
+//! Each decision is a compare-and-set write of the route with its audit record (Redis), also
+//! sent to `hindsight.rollouts` (Kafka, through the spilling log so none is lost); the
+//! controller's current view of every route is kept in Redis for `hindsight rollout status`.
+//!
+//! The controller holds no state that is not in Kafka or Redis: on start it re-reads both topics
+//! from their beginning (a fresh consumer group), so a restarted controller decides from the
+//! same evidence.
+
+use std::time::Duration;
+
+use hindsight_core::now_ms;
+use hindsight_feedback::{
+    FeedbackRecord, InteractionRecord, LogHandle, RecordLog, Topic, TopicReader, ValidatedLogConfig,
+};
+use hindsight_routing::{Rollout, RolloutState, RoutingError, RoutingStore};
+use serde_json::{json, Value};
+
+use super::config::{DriftPolicy, RolloutConfig};
+use super::metrics::{ArmMetrics, OnlineMetrics};
+use super::ops::{self, Op};
+use super::stats::{
+    guard_verdict, mean_difference_cs, rate_difference_cs, Alpha, Direction, DriftBand, DriftSides,
+    DriftVerdict, Interval, Verdict,
+};
+
+/// What the controller decided for one rollout at one moment.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Nothing to do yet; the reason says what it waits for.
+    Wait(String),
+    /// Next stage (or promotion after the last).
+    Advance(String),
+    /// A guard found harm: all traffic back to stable.
+    Rollback(String),
+    /// A drift alarm under the `freeze` policy.
+    Freeze(String),
+}
+
+/// Each arm's counts when the current stage began: a stage's minimums count only what it saw.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StageBase {
+    /// Canary exposures and matured exposures with feedback at the stage's start.
+    pub canary: (u64, u64),
+    /// Stable exposures and matured exposures with feedback at the stage's start.
+    pub stable: (u64, u64),
+}
+
+impl StageBase {
+    /// The counts of `c` and `s` now.
+    pub fn of(c: Option<&ArmMetrics>, s: Option<&ArmMetrics>) -> Self {
+        let counts =
+            |m: Option<&ArmMetrics>| m.map_or((0, 0), |m| (m.exposures, m.matured_with_feedback));
+        Self {
+            canary: counts(c),
+            stable: counts(s),
+        }
+    }
+}
+
+fn interval_json(i: Interval) -> Value {
+    json!([i.lo, i.hi])
+}
+
+/// Decides for `rollout` from its arms' metrics, returning the decision and the statistics
+/// it rests on (per arm summaries, each guard's interval and verdict).
+pub fn decide(
+    cfg: &RolloutConfig,
+    rollout: &Rollout,
+    canary: Option<&ArmMetrics>,
+    stable: Option<&ArmMetrics>,
+    base: StageBase,
+    now_ms: i64,
+) -> (Decision, Value) {
+    let (Some(c), Some(s)) = (canary, stable) else {
+        return (
+            Decision::Wait("no exposures on one of the arms yet".into()),
+            json!({}),
+        );
+    };
+    let Ok(alpha) = Alpha::new(cfg.alpha) else {
+        return (
+            Decision::Wait(format!("rollout.alpha {} is invalid", cfg.alpha)),
+            json!({}),
+        );
+    };
+    let mut guards = serde_json::Map::new();
+    let mut harm = Vec::new();
+    let mut check = |name: &str, diff: Interval, margin: f64| {
+        let v = guard_verdict(diff, margin, Direction::HigherIsWorse);
+        guards.insert(
+            name.to_string(),
+            json!({"canary_minus_stable": interval_json(diff), "margin": margin, "verdict": format!("{v:?}")}),
+        );
+        if v == Verdict::Harm {
+            harm.push(format!(
+                "{name}: canary − stable in [{:.4}, {:.4}], above the margin {margin}",
+                diff.lo, diff.hi
+            ));
+        }
+    };
+    check(
+        "negative_feedback",
+        rate_difference_cs(&c.negative, &s.negative, alpha),
+        cfg.negative_feedback_margin,
+    );
+    check(
+        "error_rate",
+        rate_difference_cs(&c.errors, &s.errors, alpha),
+        cfg.error_rate_margin,
+    );
+    check(
+        "latency_ms",
+        mean_difference_cs(&c.latency_ms, &s.latency_ms, alpha),
+        cfg.latency_margin_ms,
+    );
+    let mut drift = Vec::new();
+    let mut drift_check = |name: &str, v: DriftVerdict, detail: Value| {
+        guards.insert(
+            name.to_string(),
+            json!({"detail": detail, "verdict": format!("{v:?}")}),
+        );
+        if v == DriftVerdict::Drift {
+            drift.push(name.to_string());
+        }
+    };
+    for (name, ratio, ca, sa) in [
+        (
+            "length_tokens",
+            cfg.length_ratio,
+            &c.length_tokens,
+            &s.length_tokens,
+        ),
+        (
+            "tool_calls_per_turn",
+            cfg.tool_calls_ratio,
+            &c.tool_calls,
+            &s.tool_calls,
+        ),
+    ] {
+        let v = DriftBand::new(ratio, DriftSides::Both)
+            .map(|b| b.verdict_for_arms(ca, sa, alpha))
+            .unwrap_or(DriftVerdict::Undecided);
+        drift_check(
+            name,
+            v,
+            json!({"ratio": ratio, "canary_mean": ca.mean(), "stable_mean": sa.mean()}),
+        );
+    }
+    let empty = rate_difference_cs(&c.empty, &s.empty, alpha);
+    let empty_v = guard_verdict(empty, cfg.empty_rate_margin, Direction::HigherIsWorse);
+    drift_check(
+        "empty_answers",
+        if empty_v == Verdict::Harm {
+            DriftVerdict::Drift
+        } else {
+            DriftVerdict::Undecided
+        },
+        json!({"canary_minus_stable": interval_json(empty), "margin": cfg.empty_rate_margin}),
+    );
+    let stats = json!({
+        "stage": rollout.stage, "weight": rollout.weight,
+        "canary": c.summary(), "stable": s.summary(), "guards": guards,
+    });
+    if !harm.is_empty() {
+        return (
+            Decision::Rollback(format!("harm: {}", harm.join("; "))),
+            stats,
+        );
+    }
+    if !drift.is_empty() {
+        let why = format!("behaviour drift: {}", drift.join(", "));
+        return match cfg.on_drift {
+            DriftPolicy::Freeze => (Decision::Freeze(why), stats),
+            DriftPolicy::Rollback => (Decision::Rollback(why), stats),
+        };
+    }
+    let mut waiting = Vec::new();
+    let in_stage_ms = now_ms - rollout.stage_started_ms;
+    if in_stage_ms < cfg.min_stage_ms as i64 {
+        waiting.push(format!(
+            "stage time {}s of {}s",
+            in_stage_ms / 1000,
+            cfg.min_stage_ms / 1000
+        ));
+    }
+    for (arm, m, (e0, f0)) in [("canary", c, base.canary), ("stable", s, base.stable)] {
+        let (e, f) = (
+            m.exposures.saturating_sub(e0),
+            m.matured_with_feedback.saturating_sub(f0),
+        );
+        if e < cfg.min_exposures {
+            waiting.push(format!(
+                "{arm} exposures this stage {e} of {}",
+                cfg.min_exposures
+            ));
+        }
+        if f < cfg.min_matured_feedback {
+            waiting.push(format!(
+                "{arm} matured feedback this stage {f} of {}",
+                cfg.min_matured_feedback
+            ));
+        }
+    }
+    if waiting.is_empty() {
+        let next = rollout
+            .stages
+            .get(rollout.stage + 1)
+            .copied()
+            .unwrap_or(1.0);
+        let what = if next >= 1.0 {
+            "promote".to_string()
+        } else {
+            format!("advance to {}", rollout.stages[rollout.stage + 1])
+        };
+        (
+            Decision::Advance(format!(
+                "{what}: stage minimums met, no guard or drift alarm"
+            )),
+            stats,
+        )
+    } else {
+        (
+            Decision::Wait(format!("waiting for {}", waiting.join(", "))),
+            stats,
+        )
+    }
+}
+
+/// The controller process.
+pub struct Controller {
+    cfg: RolloutConfig,
+    store: RoutingStore,
+    audit: LogHandle,
+    metrics: OnlineMetrics,
+    /// (route, rollout id, stage) → counts when the controller first saw that stage.
+    stage_bases: std::collections::HashMap<(String, String, usize), StageBase>,
+}
+
+impl Controller {
+    /// A controller writing through `store` and auditing to `audit`.
+    pub fn new(
+        cfg: RolloutConfig,
+        store: RoutingStore,
+        audit: LogHandle,
+    ) -> Result<Self, RoutingError> {
+        let metrics = OnlineMetrics::new(cfg.bounds(), cfg.maturation_ms as i64).map_err(|e| {
+            RoutingError::Invalid {
+                field: "rollout".into(),
+                reason: e.to_string(),
+            }
+        })?;
+        Ok(Self {
+            cfg,
+            store,
+            audit,
+            metrics,
+            stage_bases: std::collections::HashMap::new(),
+        })
+    }
+
+    /// Feeds one record read from the interactions or feedback topic.
+    pub fn observe(&mut self, topic: Topic, payload: &[u8]) {
+        match topic {
+            Topic::Interactions => {
+                if let Ok(rec) = serde_json::from_slice::<InteractionRecord>(payload) {
+                    self.metrics.interaction(&rec);
+                }
+            }
+            Topic::Feedback => {
+                if let Ok(rec) = serde_json::from_slice::<FeedbackRecord>(payload) {
+                    self.metrics.feedback(&rec);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// One evaluation of every route: mature feedback, decide, act, publish status.
+    pub async fn tick(&mut self) -> Result<(), RoutingError> {
+        let now = now_ms();
+        self.metrics.mature(now);
+        for parsed in self.store.load_all().await? {
+            let Ok(route) = parsed else { continue };
+            if let Some(next) = super::queue::next_queued(&self.store, &route).await? {
+                let (stored, audit) = ops::execute(
+                    &self.store,
+                    &ops::Request {
+                        route: &route.route,
+                        by: "controller",
+                        reason: "starting the next queued candidate",
+                        expected_generation: Some(route.generation),
+                        stats: json!({}),
+                    },
+                    &Op::Start {
+                        canary: next,
+                        stages: self.cfg.stages.clone(),
+                        rollout_id: None,
+                    },
+                )
+                .await?;
+                self.publish_audit(&audit);
+                tracing::info!(route = %stored.route, "Started a queued rollout.");
+                continue;
+            }
+            let Some(rollout) = route.rollout.clone() else {
+                continue;
+            };
+            let c = self.metrics.arm(&route.route, &rollout.id, "canary");
+            let s = self.metrics.arm(&route.route, &rollout.id, "stable");
+            self.export(&route.route, c, s);
+            let base = *self
+                .stage_bases
+                .entry((route.route.clone(), rollout.id.clone(), rollout.stage))
+                .or_insert_with(|| {
+                    if rollout.stage == 0 {
+                        StageBase::default()
+                    } else {
+                        StageBase::of(c, s)
+                    }
+                });
+            let (decision, stats) = decide(&self.cfg, &rollout, c, s, base, now);
+            let status = json!({
+                "route": route.route, "rollout_id": rollout.id, "state": rollout.state,
+                "decision": format!("{decision:?}"), "stats": stats, "at_ms": now,
+            });
+            self.store.put_status(&route.route, &status).await?;
+            if rollout.state != RolloutState::Running {
+                continue;
+            }
+            let (op, reason) = match decision {
+                Decision::Wait(_) => continue,
+                Decision::Advance(r) => (Op::Advance, r),
+                Decision::Rollback(r) => (Op::Rollback, r),
+                Decision::Freeze(r) => (Op::Freeze, r),
+            };
+            let req = ops::Request {
+                route: &route.route,
+                by: "controller",
+                reason: &reason,
+                expected_generation: Some(route.generation),
+                stats,
+            };
+            match ops::execute(&self.store, &req, &op).await {
+                Ok((stored, audit)) => {
+                    tracing::info!(route = %stored.route, action = op.action(), %reason, "Rollout decision.");
+                    self.publish_audit(&audit);
+                }
+                // An operator acted in between: decide again next tick on the new state.
+                Err(RoutingError::Conflict { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    fn export(&self, route: &str, c: Option<&ArmMetrics>, s: Option<&ArmMetrics>) {
+        for (arm, m) in [("canary", c), ("stable", s)] {
+            let Some(m) = m else { continue };
+            let labels = [("route", route.to_string()), ("arm", arm.to_string())];
+            metrics::gauge!("hindsight_rollout_exposures", &labels).set(m.exposures as f64);
+            if let Some(r) = m.negative.rate() {
+                metrics::gauge!("hindsight_rollout_negative_feedback_rate", &labels).set(r);
+            }
+            if let Some(r) = m.errors.rate() {
+                metrics::gauge!("hindsight_rollout_error_rate", &labels).set(r);
+            }
+            if let Some(v) = m.latency_quantile(0.99) {
+                metrics::gauge!("hindsight_rollout_latency_p99_ms", &labels).set(v);
+            }
+            if let Some(v) = m.length_tokens.mean() {
+                metrics::gauge!("hindsight_rollout_answer_tokens_mean", &labels).set(v);
+            }
+        }
+    }
+
+    fn publish_audit(&self, audit: &hindsight_routing::AuditRecord) {
+        match serde_json::to_vec(audit) {
+            Ok(bytes) => {
+                let id = uuid::Uuid::parse_str(&audit.id).unwrap_or_else(|_| uuid::Uuid::now_v7());
+                self.audit
+                    .submit(Topic::Rollouts, audit.route.clone(), id, bytes.into());
+            }
+            Err(e) => tracing::error!(error = %e, "Audit record could not be serialised."),
+        }
+    }
+
+    /// Reads both topics and ticks every `eval_interval_ms` until `shutdown` resolves.
+    pub async fn run(
+        mut self,
+        log: &ValidatedLogConfig,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) -> Result<(), RoutingError> {
+        let group = format!("hindsight-rollout-{}", uuid::Uuid::now_v7());
+        let reader = TopicReader::new(log, &group, &[Topic::Interactions, Topic::Feedback])
+            .map_err(|e| RoutingError::Invalid {
+                field: "log".into(),
+                reason: e.to_string(),
+            })?;
+        let names = log.topics().clone();
+        let mut tick = tokio::time::interval(Duration::from_millis(self.cfg.eval_interval_ms));
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                rec = reader.recv_timeout(Duration::from_millis(100)) => {
+                    if let Ok(Some(rec)) = rec {
+                        let topic = if rec.topic == names.get(Topic::Feedback) {
+                            Topic::Feedback
+                        } else {
+                            Topic::Interactions
+                        };
+                        self.observe(topic, &rec.payload);
+                    }
+                }
+                _ = tick.tick() => {
+                    if let Err(e) = self.tick().await {
+                        tracing::warn!(error = %e, "Rollout controller tick failed; retrying next tick.");
+                    }
+                }
+                () = &mut shutdown => return Ok(()),
+            }
+        }
+    }
+}
+
+/// Starts the audit log (the spilling Kafka producer) for a controller or an operator command.
+pub async fn audit_log(
+    log: ValidatedLogConfig,
+) -> Result<(RecordLog, LogHandle), hindsight_feedback::LogError> {
+    RecordLog::start(log).await
+}

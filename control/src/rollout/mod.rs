@@ -1,0 +1,16 @@
+//! Canary rollouts of adapter versions: the operations on a route ([`ops`]), the online
+//! metrics per arm ([`metrics`]), the anytime-valid statistics ([`stats`]) and the controller
+//! that decides with them ([`controller`]). The routing table itself (types, Redis store,
+//! assignment) is the `hindsight-routing` crate, which the proxy shares without pulling in
+//! the rest of the control plane.
+
+pub mod config;
+pub mod controller;
+pub mod metrics;
+pub mod ops;
+pub mod queue;
+pub mod stats;
+
+pub use config::{CandidatePolicy, DriftPolicy, RolloutConfig};
+pub use controller::{decide, Controller, Decision, StageBase};
+pub use ops::{execute, Op, Request};

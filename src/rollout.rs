@@ -1,0 +1,366 @@
+//! `hindsight rollout run|start|status|pause|resume|promote|rollback|kill|pin|unpin|history|
+//! set-stable`: argument parsing over `hindsight_control::rollout`.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use hindsight_control::registry::{Registry, RegistryConfig, VersionStatus};
+use hindsight_control::rollout::{self, CandidatePolicy, Op, RolloutConfig};
+use hindsight_routing::{RoutingConfig, RoutingStore};
+use serde::Deserialize;
+use serde_json::json;
+
+/// `hindsight rollout`.
+#[derive(Debug, clap::Args)]
+pub struct RolloutArgs {
+    /// TOML config with `[routing]`, `[rollout]`, `[log]` and `[registry]` sections (env:
+    /// HINDSIGHT_ROUTING__*, HINDSIGHT_ROLLOUT__*, ...).
+    #[arg(long, short = 'c', global = true)]
+    pub config: Option<PathBuf>,
+    /// Who is acting, recorded in the audit trail (`operator:<name>`).
+    #[arg(long, global = true, env = "USER", default_value = "operator")]
+    pub by: String,
+    /// Why, recorded in the audit trail.
+    #[arg(long, global = true, default_value = "")]
+    pub reason: String,
+    /// Refuse the command if the route's generation moved on from this one.
+    #[arg(long, global = true)]
+    pub generation: Option<u64>,
+    #[command(subcommand)]
+    pub command: RolloutCommand,
+}
+
+/// The subcommands.
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum RolloutCommand {
+    /// Run the controller: read traffic and feedback, advance, promote or roll back.
+    Run,
+    /// Create a route or set its stable version (no rollout may be running).
+    SetStable { route: String, version: String },
+    /// Start a canary of `version` on `route` (or queue/supersede per `--policy` when one runs).
+    Start {
+        route: String,
+        version: String,
+        /// Stage weights, comma-separated (default: `[rollout].stages`).
+        #[arg(long, value_delimiter = ',')]
+        stages: Option<Vec<f64>>,
+        /// When a canary already runs: `queue` or `supersede` (default: `[rollout].on_new_candidate`).
+        #[arg(long)]
+        policy: Option<String>,
+        /// Serving endpoints (`http://host:port/v1`) that must all have the version loaded.
+        #[arg(long = "endpoint")]
+        endpoints: Vec<String>,
+    },
+    /// Per route: stable vs canary, weight, stage, metrics with intervals, the controller's view.
+    Status {
+        /// Only this route.
+        route: Option<String>,
+        /// JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stop advancing (the canary keeps its weight).
+    Pause { route: String },
+    /// Continue a paused or frozen rollout.
+    Resume { route: String },
+    /// Make the canary stable now.
+    Promote { route: String },
+    /// Send all traffic back to stable.
+    Rollback { route: String },
+    /// Emergency stop: all traffic to stable within a second.
+    Kill { route: String },
+    /// Pin a user to a version.
+    Pin {
+        route: String,
+        user: String,
+        version: String,
+    },
+    /// Remove a user's pin.
+    Unpin { route: String, user: String },
+    /// The route's audit trail, newest first.
+    History {
+        route: String,
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+        /// JSON lines instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RolloutFile {
+    #[serde(default)]
+    routing: RoutingConfig,
+    #[serde(default)]
+    rollout: RolloutConfig,
+    #[serde(default)]
+    log: hindsight_feedback::LogConfig,
+    #[serde(default)]
+    registry: RegistryConfig,
+}
+
+/// Runs one `hindsight rollout` command.
+pub async fn run(
+    args: RolloutArgs,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let file: RolloutFile = hindsight_core::load_toml(
+        args.config.as_deref(),
+        std::env::vars(),
+        &["routing", "rollout", "log", "registry"],
+    )?;
+    file.routing.validate()?;
+    file.rollout.validate()?;
+    let store = RoutingStore::new(file.routing.store())?;
+    let by = if args.by.contains(':') {
+        args.by.clone()
+    } else {
+        format!("operator:{}", args.by)
+    };
+    let simple = |route: &str, op: Op| (route.to_string(), op);
+    let (route, op) = match args.command.clone() {
+        RolloutCommand::Run => {
+            let log = file.log.validate()?;
+            let (audit_log, handle) = rollout::controller::audit_log(log.clone()).await?;
+            let controller = rollout::Controller::new(file.rollout, store, handle)?;
+            tracing::info!("Rollout controller running.");
+            controller.run(&log, shutdown).await?;
+            audit_log.shutdown(std::time::Duration::from_secs(10)).await;
+            return Ok(());
+        }
+        RolloutCommand::Status { route, json } => return status(&store, route, json).await,
+        RolloutCommand::History { route, limit, json } => {
+            for a in store.audit(&route, limit).await? {
+                if json {
+                    println!("{}", serde_json::to_string(&a)?);
+                } else {
+                    println!(
+                        "gen {:>4}  {}  {:<10} {:<20} weight {:.2}  {}",
+                        a.generation, a.at_ms, a.action, a.by, a.weight, a.reason
+                    );
+                }
+            }
+            return Ok(());
+        }
+        RolloutCommand::SetStable { route, version } => {
+            simple(&route, Op::SetStable { stable: version })
+        }
+        RolloutCommand::Start {
+            route,
+            version,
+            stages,
+            policy,
+            endpoints,
+        } => {
+            check_version(&file.registry, &version, &endpoints).await?;
+            let policy = match policy.as_deref() {
+                None => file.rollout.on_new_candidate,
+                Some("queue") => CandidatePolicy::Queue,
+                Some("supersede") => CandidatePolicy::Supersede,
+                Some(other) => anyhow::bail!("--policy `{other}`: use `queue` or `supersede`"),
+            };
+            let current = store.get(&route).await?;
+            if let Some(active) = current.as_ref().and_then(|r| r.active_rollout()) {
+                match policy {
+                    CandidatePolicy::Queue => {
+                        rollout::queue::enqueue(&store, &route, &version).await?;
+                        println!(
+                            "{route}: rollout of {} is {}; {version} is queued and starts when it ends",
+                            active.canary, active.state
+                        );
+                        return Ok(());
+                    }
+                    CandidatePolicy::Supersede => {
+                        let reason = format!("superseded by {version}");
+                        let req = request(&route, &by, &reason, args.generation);
+                        rollout::execute(&store, &req, &Op::Rollback).await?;
+                    }
+                }
+            }
+            simple(
+                &route,
+                Op::Start {
+                    canary: version,
+                    stages: stages.unwrap_or_else(|| file.rollout.stages.clone()),
+                    rollout_id: None,
+                },
+            )
+        }
+        RolloutCommand::Pause { route } => simple(&route, Op::Pause),
+        RolloutCommand::Resume { route } => simple(&route, Op::Resume),
+        RolloutCommand::Promote { route } => simple(&route, Op::Promote),
+        RolloutCommand::Rollback { route } => simple(&route, Op::Rollback),
+        RolloutCommand::Kill { route } => simple(&route, Op::Kill),
+        RolloutCommand::Pin {
+            route,
+            user,
+            version,
+        } => simple(&route, Op::Pin { user, version }),
+        RolloutCommand::Unpin { route, user } => simple(&route, Op::Unpin { user }),
+    };
+    let reason = if args.reason.is_empty() {
+        format!("{} by {by}", op.action())
+    } else {
+        args.reason.clone()
+    };
+    let req = request(&route, &by, &reason, args.generation);
+    let (stored, audit) = rollout::execute(&store, &req, &op).await?;
+    let weight = stored.active_rollout().map_or(0.0, |r| r.weight);
+    println!(
+        "{route}: {} done (generation {}); stable {}, canary {} at weight {weight}",
+        audit.action,
+        stored.generation,
+        stored.stable,
+        stored
+            .rollout
+            .as_ref()
+            .map_or("-".to_string(), |r| format!("{} ({})", r.canary, r.state)),
+    );
+    Ok(())
+}
+
+fn request<'a>(
+    route: &'a str,
+    by: &'a str,
+    reason: &'a str,
+    generation: Option<u64>,
+) -> rollout::Request<'a> {
+    rollout::Request {
+        route,
+        by,
+        reason,
+        expected_generation: generation,
+        stats: json!({}),
+    }
+}
+
+/// A `name@N` version must be registered and not rejected, and loaded on every endpoint given.
+async fn check_version(
+    registry: &RegistryConfig,
+    version: &str,
+    endpoints: &[String],
+) -> anyhow::Result<()> {
+    if let Some((name, n)) = version.rsplit_once('@') {
+        let n: u64 = n
+            .parse()
+            .with_context(|| format!("version `{version}`: `{n}` is not a version number"))?;
+        let reg = Registry::connect(registry.clone()).await?;
+        match reg.get(name, n).await? {
+            None => anyhow::bail!("{version} is not registered (see `hindsight adapters list`)"),
+            Some(e) if e.status == VersionStatus::Rejected => anyhow::bail!(
+                "{version} was rejected{}; it cannot be rolled out",
+                e.note.map(|n| format!(" ({n})")).unwrap_or_default()
+            ),
+            Some(_) => {}
+        }
+    }
+    let client = reqwest::Client::new();
+    for e in endpoints {
+        let models = hindsight_control::publish::served_models(&client, e, None).await?;
+        let loaded = models
+            .iter()
+            .any(|m| m.get("id").and_then(serde_json::Value::as_str) == Some(version));
+        if !loaded {
+            anyhow::bail!("{version} is not loaded on {e}; load it there first");
+        }
+    }
+    Ok(())
+}
+
+async fn status(store: &RoutingStore, only: Option<String>, as_json: bool) -> anyhow::Result<()> {
+    let mut routes: Vec<_> = store.load_all().await?.into_iter().collect();
+    routes.sort_by_key(|r| r.as_ref().map(|r| r.route.clone()).unwrap_or_default());
+    for parsed in routes {
+        let route = match parsed {
+            Ok(r) => r,
+            Err(e) => {
+                println!("malformed entry: {e}");
+                continue;
+            }
+        };
+        if only.as_ref().is_some_and(|o| *o != route.route) {
+            continue;
+        }
+        let view = store.get_status(&route.route).await?;
+        if as_json {
+            println!("{}", json!({"route": route, "controller": view}));
+            continue;
+        }
+        println!("route {} (generation {})", route.route, route.generation);
+        println!("  stable  {}", route.stable);
+        match &route.rollout {
+            None => println!("  no rollout"),
+            Some(r) => {
+                println!(
+                    "  canary  {}  state {}  stage {}/{}  weight {}  rollout {}",
+                    r.canary,
+                    r.state,
+                    r.stage + 1,
+                    r.stages.len(),
+                    r.weight,
+                    r.id
+                );
+            }
+        }
+        if !route.pins.is_empty() {
+            println!("  pins    {:?}", route.pins);
+        }
+        println!(
+            "  last    {} by {}: {}",
+            route.last_change.action, route.last_change.by, route.last_change.reason
+        );
+        if let Some(v) = view {
+            let arm = |a: &str, k: &str| {
+                v.pointer(&format!("/stats/{a}/{k}"))
+                    .cloned()
+                    .unwrap_or_default()
+            };
+            println!("  {:<22} {:>14} {:>14}", "metric", "stable", "canary");
+            for k in [
+                "exposures",
+                "matured",
+                "negative_rate",
+                "error_rate",
+                "empty_rate",
+                "latency_p99_ms",
+                "mean_length_tokens",
+                "tool_calls_per_turn",
+            ] {
+                println!(
+                    "  {k:<22} {:>14} {:>14}",
+                    fmt(&arm("stable", k)),
+                    fmt(&arm("canary", k))
+                );
+            }
+            if let Some(g) = v.pointer("/stats/guards").and_then(|g| g.as_object()) {
+                for (name, g) in g {
+                    println!(
+                        "  test {name:<18} {} {}",
+                        g.get("verdict").and_then(|v| v.as_str()).unwrap_or(""),
+                        g.get("canary_minus_stable")
+                            .map(|i| format!("canary−stable {i}"))
+                            .unwrap_or_default()
+                    );
+                }
+            }
+            println!(
+                "  controller: {}",
+                v.get("decision").and_then(|d| d.as_str()).unwrap_or("-")
+            );
+        }
+    }
+    Ok(())
+}
+
+fn fmt(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Number(n) => match n.as_f64() {
+            Some(f) if f.fract() != 0.0 => format!("{f:.4}"),
+            _ => n.to_string(),
+        },
+        serde_json::Value::Null => "-".into(),
+        other => other.to_string(),
+    }
+}
