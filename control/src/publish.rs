@@ -589,6 +589,56 @@ pub async fn gate_and_publish(
     result
 }
 
+/// Loads the candidate `entry` as `cand_name` into every endpoint; when one refuses, unloads
+/// it from those that took it (best effort) and returns that endpoint's error.
+async fn load_candidate_everywhere(
+    client: &reqwest::Client,
+    cfg: &PublishConfig,
+    cand_name: &str,
+    entry: &VersionEntry,
+) -> Result<(), PublishError> {
+    let key = cfg.api_key.as_deref();
+    for (i, ep) in cfg.endpoints.iter().enumerate() {
+        if let Err(e) = load_adapter(client, ep, key, cand_name, entry).await {
+            for done in &cfg.endpoints[..i] {
+                let _ = unload_adapter(client, done, key, cand_name).await;
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Loads `entry` under the adapter's own `name` into every endpoint; when one refuses, puts
+/// the endpoints that took it back as they were (the `live` version reloaded, or the name
+/// unloaded when nothing was live; failures to do so are logged) and returns that endpoint's
+/// error.
+async fn promote_everywhere(
+    client: &reqwest::Client,
+    cfg: &PublishConfig,
+    name: &str,
+    entry: &VersionEntry,
+    live: Option<&VersionEntry>,
+) -> Result<(), PublishError> {
+    let key = cfg.api_key.as_deref();
+    for (i, ep) in cfg.endpoints.iter().enumerate() {
+        if let Err(e) = load_adapter(client, ep, key, name, entry).await {
+            for done in &cfg.endpoints[..i] {
+                let undo = match live {
+                    Some(l) => load_adapter(client, done, key, name, l).await,
+                    None => unload_adapter(client, done, key, name).await,
+                };
+                if let Err(u) = undo {
+                    tracing::error!(endpoint = %done, name = %name, error = %u, "Could not roll back a partial promotion.");
+                }
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// The steps of [`gate_and_publish`], without its metrics and error log.
 async fn publish_inner(
     reg: &Registry,
     entry: VersionEntry,
@@ -623,14 +673,7 @@ async fn publish_inner(
     let cand_name = candidate_name(&name);
 
     // 1. The candidate into every endpoint.
-    for (i, ep) in cfg.endpoints.iter().enumerate() {
-        if let Err(e) = load_adapter(&client, ep, key, &cand_name, &entry).await {
-            for done in &cfg.endpoints[..i] {
-                let _ = unload_adapter(&client, done, key, &cand_name).await;
-            }
-            return Err(e);
-        }
-    }
+    load_candidate_everywhere(&client, cfg, &cand_name, &entry).await?;
 
     // 2. The gate.
     let live = reg.live(&name).await?;
@@ -709,20 +752,9 @@ async fn publish_inner(
         tracing::info!(name = %name, version = entry.version, "Candidate ready for rollout.");
         return Ok(PublishOutcome { entry, verdict });
     }
-    for (i, ep) in cfg.endpoints.iter().enumerate() {
-        if let Err(e) = load_adapter(&client, ep, key, &name, &entry).await {
-            for done in &cfg.endpoints[..i] {
-                let undo = match &live {
-                    Some(l) => load_adapter(&client, done, key, &name, l).await,
-                    None => unload_adapter(&client, done, key, &name).await,
-                };
-                if let Err(u) = undo {
-                    tracing::error!(endpoint = %done, name = %name, error = %u, "Could not roll back a partial promotion.");
-                }
-            }
-            unload_everywhere_best_effort(&client, cfg, &cand_name).await;
-            return Err(e);
-        }
+    if let Err(e) = promote_everywhere(&client, cfg, &name, &entry, live.as_ref()).await {
+        unload_everywhere_best_effort(&client, cfg, &cand_name).await;
+        return Err(e);
     }
     let note = match &verdict {
         Some(GateVerdict::Accepted {
