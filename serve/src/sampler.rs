@@ -109,8 +109,55 @@ pub fn pick(
     }
     // Candidates, best first: the allowed tokens carrying all but a negligible part of the
     // allowed mass (constrained), or the nucleus (unconstrained).
+    let (mut kept, z_allowed) = candidates(&weights, z_all, params.top_p, allowed);
+    if kept.is_empty() || z_allowed <= 0.0 {
+        return None;
+    }
+    if params.top_p < 1.0 {
+        let mut cum = 0.0;
+        let mut keep = kept.len();
+        for (j, (_, w)) in kept.iter().enumerate() {
+            cum += w;
+            if cum >= params.top_p * z_allowed {
+                keep = j + 1;
+                break;
+            }
+        }
+        kept.truncate(keep);
+    }
+    let z: f64 = kept.iter().map(|(_, w)| w).sum();
+    let mut r = rng.random::<f64>() * z;
+    let mut chosen = kept[kept.len() - 1];
+    for &(id, w) in &kept {
+        if r < w {
+            chosen = (id, w);
+            break;
+        }
+        r -= w;
+    }
+    Some(Pick {
+        id: chosen.0,
+        logprob: lp(chosen.1, z),
+        top: kept
+            .iter()
+            .take(params.top_logprobs)
+            .map(|&(i, w)| (i, lp(w, z)))
+            .collect(),
+    })
+}
+
+/// The candidates of a constrained or nucleus draw over `weights` (summing to `z_all`), best
+/// first, and the mass they are drawn against: with `allowed`, the allowed tokens carrying all
+/// but a negligible part of the allowed mass, and that mass; without, the nucleus of `top_p`,
+/// and `z_all`.
+fn candidates(
+    weights: &[f64],
+    z_all: f64,
+    top_p: f64,
+    allowed: Option<&dyn Fn(u32) -> bool>,
+) -> (Vec<(u32, f64)>, f64) {
     let mut kept: Vec<(u32, f64)> = Vec::new();
-    let order = sorted_prefix(&weights, FIRST_CUT);
+    let order = sorted_prefix(weights, FIRST_CUT);
     let z_allowed = match allowed {
         None => {
             let mut cum = 0.0;
@@ -118,13 +165,13 @@ pub fn pick(
             for &i in &order {
                 kept.push((i, weights[i as usize]));
                 cum += weights[i as usize];
-                if cum >= params.top_p * z_all {
+                if cum >= top_p * z_all {
                     covered = true;
                     break;
                 }
             }
             if !covered {
-                kept = sorted_prefix(&weights, weights.len())
+                kept = sorted_prefix(weights, weights.len())
                     .into_iter()
                     .map(|i| (i, weights[i as usize]))
                     .collect();
@@ -162,40 +209,7 @@ pub fn pick(
             mass
         }
     };
-    if kept.is_empty() || z_allowed <= 0.0 {
-        return None;
-    }
-    if params.top_p < 1.0 {
-        let mut cum = 0.0;
-        let mut keep = kept.len();
-        for (j, (_, w)) in kept.iter().enumerate() {
-            cum += w;
-            if cum >= params.top_p * z_allowed {
-                keep = j + 1;
-                break;
-            }
-        }
-        kept.truncate(keep);
-    }
-    let z: f64 = kept.iter().map(|(_, w)| w).sum();
-    let mut r = rng.random::<f64>() * z;
-    let mut chosen = kept[kept.len() - 1];
-    for &(id, w) in &kept {
-        if r < w {
-            chosen = (id, w);
-            break;
-        }
-        r -= w;
-    }
-    Some(Pick {
-        id: chosen.0,
-        logprob: lp(chosen.1, z),
-        top: kept
-            .iter()
-            .take(params.top_logprobs)
-            .map(|&(i, w)| (i, lp(w, z)))
-            .collect(),
-    })
+    (kept, z_allowed)
 }
 
 #[cfg(test)]
