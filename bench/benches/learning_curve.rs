@@ -34,7 +34,7 @@
 //! TRAIN_EVAL, the trained tickets). Each configuration starts from the base model with fresh
 //! topics, keys and adapters.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::ValueEnum;
@@ -102,105 +102,7 @@ async fn run() -> anyhow::Result<()> {
             cfg.label(),
         );
         let report = run_learning(cfg).await?;
-        eprintln!(
-            "[learning_curve] {}: exact match {} (gain {:+.1} points), field accuracy {}, in {:.0} s, trainer {:.0} tokens/s",
-            objective.as_str(),
-            percents(&report, |p| Some(p.exact_match)),
-            report.gain() * 100.0,
-            percents(&report, |p| p.field_accuracy),
-            report.wall_s,
-            report.train_tokens_per_s
-        );
-        eprintln!(
-            "[learning_curve] {}: exact match on the held-out tickets whose decision is not the constant answer (which scores 0 there) {}",
-            objective.as_str(),
-            percents(&report, |p| p.exact_beyond_constant),
-        );
-        eprintln!(
-            "[learning_curve] {}: distinct decisions among the {} held-out answers {}",
-            objective.as_str(),
-            report.config.scenario.eval_items,
-            report
-                .points
-                .iter()
-                .map(|p| p
-                    .distinct_answers
-                    .map_or("-".to_string(), |d| d.to_string()))
-                .collect::<Vec<_>>()
-                .join(" → "),
-        );
-        if let Some(b) = &report.constant_baseline {
-            eprintln!(
-                "[learning_curve] always answering the training split's most common decision {} \
-                 ({:.0}% of {} training tickets) scores {:.0}% exact, {:.0}% fields here{}",
-                b.answer,
-                b.train_share * 100.0,
-                hindsight_bench::learning::CONSTANT_BASELINE_TICKETS,
-                b.exact_match * 100.0,
-                b.field_accuracy * 100.0,
-                match (b.train_exact_match, b.train_field_accuracy) {
-                    (Some(e), Some(f)) => format!(
-                        " ({:.0}% / {:.0}% on the trained tickets)",
-                        e * 100.0,
-                        f * 100.0
-                    ),
-                    _ => String::new(),
-                }
-            );
-        }
-        if report.points.iter().any(|p| p.prior_margin.is_some()) {
-            let nats = |metric: fn(&CurvePoint) -> Option<f64>| {
-                report
-                    .points
-                    .iter()
-                    .map(|p| metric(p).map_or_else(|| "-".to_string(), |m| format!("{m:+.2}")))
-                    .collect::<Vec<_>>()
-                    .join(" → ")
-            };
-            eprintln!(
-                "[learning_curve] {}: prior margin (nats; log p(correct) − log p(constant) where they differ) held-out {}, trained {}",
-                objective.as_str(),
-                nats(|p| p.prior_margin),
-                nats(|p| p.train_prior_margin),
-            );
-        }
-        if report.config.scenario.train_eval_items > 0 {
-            eprintln!(
-                "[learning_curve] {}: on the first {} trained tickets: exact match {}, field accuracy {}",
-                objective.as_str(),
-                report.config.scenario.train_eval_items,
-                percents(&report, |p| p.train_exact_match),
-                percents(&report, |p| p.train_field_accuracy),
-            );
-        }
-        if report.config.scenario.eval_items > HISTORY_EVAL_ITEMS {
-            eprintln!(
-                "[learning_curve] {}: exact match on the first {} held-out tickets (the older runs' set) {}",
-                objective.as_str(),
-                HISTORY_EVAL_ITEMS,
-                percents(&report, |p| Some(p.exact_on_first(HISTORY_EVAL_ITEMS))),
-            );
-        }
-        for (what, c) in [
-            ("held-out", &report.held_out_vs_base),
-            ("trained", &report.trained_vs_base),
-            ("first held-out", &report.history_vs_base),
-        ] {
-            if let Some(c) = c {
-                eprintln!(
-                    "[learning_curve] {}: last point vs base on the {} {} tickets (paired): {} — {}",
-                    objective.as_str(),
-                    c.items,
-                    what,
-                    c.exact_match,
-                    if c.exact_match.clearly_positive() {
-                        "a gain beyond noise"
-                    } else {
-                        "no gain beyond noise"
-                    },
-                );
-            }
-        }
+        print_report(objective, &report);
         reports.push(report);
         // Write after every configuration so a long run keeps what it measured.
         std::fs::write(
@@ -213,10 +115,119 @@ async fn run() -> anyhow::Result<()> {
             "Hindsight on SmolLM2-135M: held-out eval vs feedback events",
         )?;
     }
+    print_table(&reports, &out);
+    Ok(())
+}
+
+/// Prints what one configuration's run measured (to stderr, as it goes).
+fn print_report(objective: Objective, report: &LearningReport) {
+    eprintln!(
+        "[learning_curve] {}: exact match {} (gain {:+.1} points), field accuracy {}, in {:.0} s, trainer {:.0} tokens/s",
+        objective.as_str(),
+        percents(report, |p| Some(p.exact_match)),
+        report.gain() * 100.0,
+        percents(report, |p| p.field_accuracy),
+        report.wall_s,
+        report.train_tokens_per_s
+    );
+    eprintln!(
+        "[learning_curve] {}: exact match on the held-out tickets whose decision is not the constant answer (which scores 0 there) {}",
+        objective.as_str(),
+        percents(report, |p| p.exact_beyond_constant),
+    );
+    eprintln!(
+        "[learning_curve] {}: distinct decisions among the {} held-out answers {}",
+        objective.as_str(),
+        report.config.scenario.eval_items,
+        report
+            .points
+            .iter()
+            .map(|p| p
+                .distinct_answers
+                .map_or("-".to_string(), |d| d.to_string()))
+            .collect::<Vec<_>>()
+            .join(" → "),
+    );
+    if let Some(b) = &report.constant_baseline {
+        eprintln!(
+            "[learning_curve] always answering the training split's most common decision {} \
+             ({:.0}% of {} training tickets) scores {:.0}% exact, {:.0}% fields here{}",
+            b.answer,
+            b.train_share * 100.0,
+            hindsight_bench::learning::CONSTANT_BASELINE_TICKETS,
+            b.exact_match * 100.0,
+            b.field_accuracy * 100.0,
+            match (b.train_exact_match, b.train_field_accuracy) {
+                (Some(e), Some(f)) => format!(
+                    " ({:.0}% / {:.0}% on the trained tickets)",
+                    e * 100.0,
+                    f * 100.0
+                ),
+                _ => String::new(),
+            }
+        );
+    }
+    if report.points.iter().any(|p| p.prior_margin.is_some()) {
+        let nats = |metric: fn(&CurvePoint) -> Option<f64>| {
+            report
+                .points
+                .iter()
+                .map(|p| metric(p).map_or_else(|| "-".to_string(), |m| format!("{m:+.2}")))
+                .collect::<Vec<_>>()
+                .join(" → ")
+        };
+        eprintln!(
+            "[learning_curve] {}: prior margin (nats; log p(correct) − log p(constant) where they differ) held-out {}, trained {}",
+            objective.as_str(),
+            nats(|p| p.prior_margin),
+            nats(|p| p.train_prior_margin),
+        );
+    }
+    if report.config.scenario.train_eval_items > 0 {
+        eprintln!(
+            "[learning_curve] {}: on the first {} trained tickets: exact match {}, field accuracy {}",
+            objective.as_str(),
+            report.config.scenario.train_eval_items,
+            percents(report, |p| p.train_exact_match),
+            percents(report, |p| p.train_field_accuracy),
+        );
+    }
+    if report.config.scenario.eval_items > HISTORY_EVAL_ITEMS {
+        eprintln!(
+            "[learning_curve] {}: exact match on the first {} held-out tickets (the older runs' set) {}",
+            objective.as_str(),
+            HISTORY_EVAL_ITEMS,
+            percents(report, |p| Some(p.exact_on_first(HISTORY_EVAL_ITEMS))),
+        );
+    }
+    for (what, c) in [
+        ("held-out", &report.held_out_vs_base),
+        ("trained", &report.trained_vs_base),
+        ("first held-out", &report.history_vs_base),
+    ] {
+        if let Some(c) = c {
+            eprintln!(
+                "[learning_curve] {}: last point vs base on the {} {} tickets (paired): {} — {}",
+                objective.as_str(),
+                c.items,
+                what,
+                c.exact_match,
+                if c.exact_match.clearly_positive() {
+                    "a gain beyond noise"
+                } else {
+                    "no gain beyond noise"
+                },
+            );
+        }
+    }
+}
+
+/// Prints the summary table of every configuration and where the files went.
+fn print_table(reports: &[LearningReport], out: &Path) {
     println!(
         "\nobjective       exact match per eval point                gain   wall s  train tok/s"
     );
-    for r in &reports {
+    for r in reports {
         println!(
             "{:<15} {:<40} {:+5.1}  {:7.0}  {:11.0}",
             r.config.objective.as_str(),
@@ -235,5 +246,4 @@ async fn run() -> anyhow::Result<()> {
         out.with_extension("json").display(),
         out.with_extension("png").display()
     );
-    Ok(())
 }

@@ -7,7 +7,7 @@
 // load call latency and the swap latency (load call start -> first request completed by the new
 // version) p50/p99, and the failed requests (must be 0).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use hindsight_model::candle_core::{DType, Device};
 use hindsight_model::{Adapter, LoraConfig, LoraInit, LoraTarget, ModelBundle};
-use hindsight_serve::{run_serve, ServeArgs};
+use hindsight_serve::{run_serve, ServeArgs, ServeError};
 use serde_json::json;
 
 fn workspace() -> PathBuf {
@@ -52,63 +52,10 @@ async fn run() -> Result<()> {
         .and_then(|s| s.parse().ok())
         .unwrap_or(100);
     // Two adapter directories to alternate between.
-    let bundle = ModelBundle::load(&model, DType::F32, &Device::Cpu)?;
     let tmp = tempfile::tempdir()?;
-    let dirs: Vec<PathBuf> = (0..2)
-        .map(|i| -> Result<PathBuf> {
-            let cfg = LoraConfig {
-                rank: 8,
-                alpha: 16.0,
-                targets: vec![LoraTarget::Q, LoraTarget::K, LoraTarget::V, LoraTarget::O],
-                ..LoraConfig::default()
-            };
-            let a = Adapter::new(
-                "live",
-                cfg,
-                &bundle.config,
-                LoraInit::RandomB(0.01),
-                i,
-                &Device::Cpu,
-            )?;
-            let dir = tmp.path().join(format!("v{i}"));
-            a.save_peft(&dir, "SmolLM2-135M-Instruct")?;
-            Ok(dir)
-        })
-        .collect::<Result<_>>()?;
-    drop(bundle);
-
-    use clap::Parser;
-    let args = Cli::parse_from([
-        "x",
-        "--model",
-        model.to_str().context("path")?,
-        "--adapter",
-        &format!("live={}", dirs[0].display()),
-    ])
-    .serve;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let base = format!("http://{}", listener.local_addr()?);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(run_serve(args.load()?, listener, async {
-        let _ = stop_rx.await;
-    }));
+    let dirs = adapter_dirs(&model, tmp.path())?;
+    let (base, stop_tx, server) = start_server(&model, &dirs[0]).await?;
     let http = reqwest::Client::new();
-    let t0 = Instant::now();
-    while http
-        .get(format!("{base}/v1/models"))
-        .send()
-        .await
-        .map(|r| r.status().is_success())
-        .ok()
-        != Some(true)
-    {
-        ensure!(
-            t0.elapsed() < Duration::from_secs(120),
-            "server did not start"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    println!("server ready in {:.2} s", t0.elapsed().as_secs_f64());
 
     let stop = Arc::new(AtomicBool::new(false));
     let failed = Arc::new(AtomicUsize::new(0));
@@ -214,4 +161,78 @@ async fn run() -> Result<()> {
         "failed requests during swaps"
     );
     Ok(())
+}
+
+/// Writes two random r=8 q,k,v,o adapters for `model` under `tmp` (`v0`, `v1`) to alternate
+/// between.
+fn adapter_dirs(model: &Path, tmp: &Path) -> Result<Vec<PathBuf>> {
+    let bundle = ModelBundle::load(model, DType::F32, &Device::Cpu)?;
+    let dirs: Vec<PathBuf> = (0..2)
+        .map(|i| -> Result<PathBuf> {
+            let cfg = LoraConfig {
+                rank: 8,
+                alpha: 16.0,
+                targets: vec![LoraTarget::Q, LoraTarget::K, LoraTarget::V, LoraTarget::O],
+                ..LoraConfig::default()
+            };
+            let a = Adapter::new(
+                "live",
+                cfg,
+                &bundle.config,
+                LoraInit::RandomB(0.01),
+                i,
+                &Device::Cpu,
+            )?;
+            let dir = tmp.join(format!("v{i}"));
+            a.save_peft(&dir, "SmolLM2-135M-Instruct")?;
+            Ok(dir)
+        })
+        .collect::<Result<_>>()?;
+    drop(bundle);
+    Ok(dirs)
+}
+
+/// Starts `hindsight serve` on a local socket with `first` loaded as "live" and waits until it
+/// answers; returns its base URL, its stopper and its task.
+async fn start_server(
+    model: &Path,
+    first: &Path,
+) -> Result<(
+    String,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), ServeError>>,
+)> {
+    use clap::Parser;
+    let args = Cli::parse_from([
+        "x",
+        "--model",
+        model.to_str().context("path")?,
+        "--adapter",
+        &format!("live={}", first.display()),
+    ])
+    .serve;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let base = format!("http://{}", listener.local_addr()?);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(run_serve(args.load()?, listener, async {
+        let _ = stop_rx.await;
+    }));
+    let http = reqwest::Client::new();
+    let t0 = Instant::now();
+    while http
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .map(|r| r.status().is_success())
+        .ok()
+        != Some(true)
+    {
+        ensure!(
+            t0.elapsed() < Duration::from_secs(120),
+            "server did not start"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!("server ready in {:.2} s", t0.elapsed().as_secs_f64());
+    Ok((base, stop_tx, server))
 }

@@ -143,23 +143,7 @@ fn main() -> anyhow::Result<()> {
         tokenizer: Some(Arc::new(tokenizer.clone())),
     };
     let model = Arc::new(model);
-    let variants: Vec<EditVariant> = wanted
-        .split(',')
-        .map(|v| {
-            let (name, contrast) = v.split_once(':').context("variants are REF:α")?;
-            let baseline = match name {
-                "student" => EditBaseline::Student,
-                "control" => EditBaseline::Control,
-                other => anyhow::bail!("unknown reference {other:?} (student or control)"),
-            };
-            let contrast: f64 = contrast.parse()?;
-            Ok(EditVariant {
-                name: format!("reference {name}, contrast α {contrast}"),
-                baseline,
-                contrast,
-            })
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let variants = parse_variants(&wanted)?;
     let trainers: Vec<Trainer> = variants
         .iter()
         .map(|v| {
@@ -203,23 +187,7 @@ fn main() -> anyhow::Result<()> {
         let greedy = decode(&tokenizer, &greedy[..greedy.len() - 1], false)?;
         // The logged answer: the greedy one with each value replaced by another with p ½,
         // keeping the layout.
-        let spans = object_value_spans(&greedy).context("greedy answer is an object")?;
-        let (mut logged, mut at) = (String::new(), 0);
-        for (key, span) in &spans {
-            let values = enums.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
-            let (Some(values), true) = (values, rng.chance(0.5)) else {
-                continue;
-            };
-            let current = greedy[span.clone()].trim_matches('"');
-            let others: Vec<&str> = values.iter().copied().filter(|v| *v != current).collect();
-            let Some(new) = rng.pick(&others) else {
-                continue;
-            };
-            logged.push_str(&greedy[at..span.start]);
-            logged.push_str(&format!("\"{new}\""));
-            at = span.end;
-        }
-        logged.push_str(&greedy[at..]);
+        let logged = perturb(&greedy, &mut rng, &enums)?;
         let Some(logged_map) = serde_json::from_str::<Value>(&logged)?.as_object().cloned() else {
             continue;
         };
@@ -280,23 +248,87 @@ fn main() -> anyhow::Result<()> {
         }
     }
 
-    let fields = ["department", "priority", "refund"];
-    let pct = |a: usize, b: usize| 100.0 * a as f64 / b.max(1) as f64;
-    let right_fields = |(text, expected): &(String, Value)| {
-        fields
-            .iter()
-            .filter(|f| !is_wrong(text, f, expected))
-            .count()
-    };
     println!(
         "\n{} tickets with a critique ({n} asked), {:.0} s",
         logged_answers.len(),
         started.elapsed().as_secs_f64()
     );
+    print_edit_table(&variants, &seen, &logged_answers);
+    print_confidence_table(&variants, &seen, &logged_answers);
+    Ok(())
+}
+
+/// The edit variants named in `wanted` (`REF:α,...`, REF `student` or `control`).
+fn parse_variants(wanted: &str) -> anyhow::Result<Vec<EditVariant>> {
+    wanted
+        .split(',')
+        .map(|v| {
+            let (name, contrast) = v.split_once(':').context("variants are REF:α")?;
+            let baseline = match name {
+                "student" => EditBaseline::Student,
+                "control" => EditBaseline::Control,
+                other => anyhow::bail!("unknown reference {other:?} (student or control)"),
+            };
+            let contrast: f64 = contrast.parse()?;
+            Ok(EditVariant {
+                name: format!("reference {name}, contrast α {contrast}"),
+                baseline,
+                contrast,
+            })
+        })
+        .collect()
+}
+
+/// `greedy` with each enum value replaced by another of its field's values with p ½, keeping
+/// the layout.
+fn perturb(greedy: &str, rng: &mut Rng, enums: &[(&str, &[&str]); 3]) -> anyhow::Result<String> {
+    let spans = object_value_spans(greedy).context("greedy answer is an object")?;
+    let (mut logged, mut at) = (String::new(), 0);
+    for (key, span) in &spans {
+        let values = enums.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
+        let (Some(values), true) = (values, rng.chance(0.5)) else {
+            continue;
+        };
+        let current = greedy[span.clone()].trim_matches('"');
+        let others: Vec<&str> = values.iter().copied().filter(|v| *v != current).collect();
+        let Some(new) = rng.pick(&others) else {
+            continue;
+        };
+        logged.push_str(&greedy[at..span.start]);
+        logged.push_str(&format!("\"{new}\""));
+        at = span.end;
+    }
+    logged.push_str(&greedy[at..]);
+    Ok(logged)
+}
+
+/// Fields of the decision.
+const FIELDS: [&str; 3] = ["department", "priority", "refund"];
+
+/// `a` of `b` in percent (0 when `b` is 0).
+fn pct(a: usize, b: usize) -> f64 {
+    100.0 * a as f64 / b.max(1) as f64
+}
+
+/// How many of the decision's fields an answer text has right.
+fn right_fields((text, expected): &(String, Value)) -> usize {
+    FIELDS
+        .iter()
+        .filter(|f| !is_wrong(text, f, expected))
+        .count()
+}
+
+/// Prints how right the logged answers were and, per variant and margin, how the edit's
+/// flags and targets score.
+fn print_edit_table(
+    variants: &[EditVariant],
+    seen: &[Vec<Seen>],
+    logged_answers: &[(String, Value)],
+) {
     println!(
         "logged answers: {:.0}% of fields right, {:.0}% of answers right",
         pct(
-            logged_answers.iter().map(&right_fields).sum(),
+            logged_answers.iter().map(right_fields).sum(),
             3 * logged_answers.len()
         ),
         pct(
@@ -311,11 +343,11 @@ fn main() -> anyhow::Result<()> {
         "| edit | margin (nats) | recall | false alarms | target fields right | targets right |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: |");
-    for (v, seen) in variants.iter().zip(&seen) {
+    for (v, seen) in variants.iter().zip(seen) {
         for margin in [0.0, 0.5, 1.0, 2.0] {
             let (mut hits, mut wrongs, mut alarms, mut rights) = (0, 0, 0, 0);
             let (mut fields_right, mut targets_right) = (0, 0);
-            for (s, (logged, expected)) in seen.iter().zip(&logged_answers) {
+            for (s, (logged, expected)) in seen.iter().zip(logged_answers) {
                 let mut right = 0;
                 for (key, shift, was_wrong) in &s.shifts {
                     let flagged = *shift < -margin;
@@ -347,7 +379,14 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+}
 
+/// Prints, per variant and confidence ranking, how right the most confident targets are.
+fn print_confidence_table(
+    variants: &[EditVariant],
+    seen: &[Vec<Seen>],
+    logged_answers: &[(String, Value)],
+) {
     println!("\nConfidence of the targets (margin 0): the most confident share of them");
     println!("| edit | ranked by | kept | floor (nats) | target fields right | targets right |");
     println!("| --- | --- | ---: | ---: | ---: | ---: |");
@@ -358,11 +397,11 @@ fn main() -> anyhow::Result<()> {
             c.iter().map(|(_, x)| *x).fold(0.0, f64::min)
         }),
     ];
-    for (v, seen) in variants.iter().zip(&seen) {
+    for (v, seen) in variants.iter().zip(seen) {
         for (ranking, score) in rankings {
             let mut scored: Vec<(f64, usize)> = seen
                 .iter()
-                .zip(&logged_answers)
+                .zip(logged_answers)
                 .map(|(s, (_, expected))| {
                     (
                         score(&s.confidence),
@@ -386,5 +425,4 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    Ok(())
 }

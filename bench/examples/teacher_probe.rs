@@ -62,13 +62,13 @@ fn main() -> anyhow::Result<()> {
         HindsightPlacement::UserNote,
         HindsightPlacement::UserTurn,
     ];
-    // Per placement (index 0 = student): sum of p(correct), argmax hits, positions.
-    let mut p_sum = vec![0.0f64; placements.len() + 1];
-    let mut hits = vec![0usize; placements.len() + 1];
-    let mut positions = 0usize;
-    // Teacher (UserNote) minus student log p of the logged value's first token, by whether
-    // the logged value was right: what `distill_target = "edit"` thresholds on.
-    let (mut gaps_right, mut gaps_wrong): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
+    let mut tally = Tally {
+        p_sum: vec![0.0f64; placements.len() + 1],
+        hits: vec![0usize; placements.len() + 1],
+        positions: 0,
+        gaps_right: Vec::new(),
+        gaps_wrong: Vec::new(),
+    };
     let mut rng = Rng::new(7);
     for ticket in world.tickets(Split::Train, n) {
         let res = resolve(&ticket);
@@ -130,7 +130,7 @@ fn main() -> anyhow::Result<()> {
                 };
                 let s = next_logprobs(&bundle, &format!("{}{prefix}", contexts[0]))?;
                 let t = next_logprobs(&bundle, &format!("{}{prefix}", contexts[2]))?;
-                gaps_right.push(t[w as usize] - s[w as usize]);
+                tally.gaps_right.push(t[w as usize] - s[w as usize]);
                 continue;
             }
             let (Some(c), Some(w)) = (first(&correct)?, first(&wrong_text)?) else {
@@ -140,21 +140,21 @@ fn main() -> anyhow::Result<()> {
                 );
                 continue;
             };
-            positions += 1;
+            tally.positions += 1;
             for (i, ctx) in contexts.iter().enumerate() {
                 let lp = next_logprobs(&bundle, &format!("{ctx}{prefix}"))?;
-                p_sum[i] += (lp[c as usize] as f64).exp();
+                tally.p_sum[i] += (lp[c as usize] as f64).exp();
                 let argmax = lp
                     .iter()
                     .enumerate()
                     .max_by(|a, b| a.1.total_cmp(b.1))
                     .map(|(i, _)| i as u32);
                 if argmax == Some(c) {
-                    hits[i] += 1;
+                    tally.hits[i] += 1;
                 }
                 if i == 2 {
                     let s = next_logprobs(&bundle, &format!("{}{prefix}", contexts[0]))?;
-                    gaps_wrong.push(lp[w as usize] - s[w as usize]);
+                    tally.gaps_wrong.push(lp[w as usize] - s[w as usize]);
                 }
                 if i == 0 {
                     eprint!(
@@ -174,8 +174,27 @@ fn main() -> anyhow::Result<()> {
             eprintln!();
         }
     }
+    print_results(tally, n, style, &placements);
+    Ok(())
+}
+
+/// What the probe gathers over the tickets: per prompt (index 0 = the student, then each
+/// placement) the sum of p(correct value) and the argmax hits over the wrong-field positions;
+/// and the teacher (UserNote) minus student log p of the logged value's first token, by whether
+/// the logged value was right: what `distill_target = "edit"` thresholds on.
+struct Tally {
+    p_sum: Vec<f64>,
+    hits: Vec<usize>,
+    positions: usize,
+    gaps_right: Vec<f32>,
+    gaps_wrong: Vec<f32>,
+}
+
+/// Prints the table of p(correct value) per prompt and the teacher-student gaps.
+fn print_results(t: Tally, n: usize, style: CritiqueStyle, placements: &[HindsightPlacement]) {
     println!(
-        "\n{positions} wrong-field positions over {n} train tickets, critique style {style:?}:"
+        "\n{} wrong-field positions over {n} train tickets, critique style {style:?}:",
+        t.positions
     );
     println!("| prompt | mean p(correct value) | correct value is the argmax |");
     println!("| --- | ---: | ---: |");
@@ -184,12 +203,12 @@ fn main() -> anyhow::Result<()> {
     for (i, name) in names.enumerate() {
         println!(
             "| {name} | {:.3} | {}/{} |",
-            p_sum[i] / positions.max(1) as f64,
-            hits[i],
-            positions
+            t.p_sum[i] / t.positions.max(1) as f64,
+            t.hits[i],
+            t.positions
         );
     }
-    for (name, mut g) in [("right", gaps_right), ("wrong", gaps_wrong)] {
+    for (name, mut g) in [("right", t.gaps_right), ("wrong", t.gaps_wrong)] {
         g.sort_by(f32::total_cmp);
         let q = |f: f64| {
             g.get(((g.len().max(1) - 1) as f64 * f).round() as usize)
@@ -200,5 +219,4 @@ fn main() -> anyhow::Result<()> {
             g.len(), q(0.0), q(0.25), q(0.5), q(0.75), q(1.0)
         );
     }
-    Ok(())
 }
