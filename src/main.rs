@@ -279,7 +279,7 @@ async fn run_learner(cli: LearnerCliArgs) -> anyhow::Result<()> {
     let file: LearnerFile = hindsight_core::load_toml(
         cli.args.config.as_deref(),
         std::env::vars(),
-        &["log", "learner", "registry", "publish"],
+        &["log", "learner", "registry", "publish", "routing"],
     )?;
     if let Some(addr) = &cli.metrics_listen {
         let handle = hindsight_proxy::prometheus()
@@ -301,6 +301,7 @@ async fn run_learner(cli: LearnerCliArgs) -> anyhow::Result<()> {
         log: file.log.validate()?,
         registry: file.registry,
         publish: file.publish,
+        routing: file.routing,
     };
     let summary = run_learner(setup, shutdown_signal(), None, None).await?;
     println!("{}", serde_json::to_string_pretty(&summary)?);

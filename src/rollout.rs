@@ -124,7 +124,9 @@ pub async fn run(
         RolloutCommand::Run => {
             let log = file.log.validate()?;
             let (audit_log, handle) = rollout::controller::audit_log(log.clone()).await?;
-            let controller = rollout::Controller::new(file.rollout, store, handle)?;
+            let registry = Registry::connect(file.registry.clone()).await?;
+            let controller =
+                rollout::Controller::new(file.rollout, store, handle)?.with_registry(registry);
             tracing::info!("Rollout controller running.");
             controller.run(&log, shutdown).await?;
             audit_log.shutdown(std::time::Duration::from_secs(10)).await;
@@ -207,6 +209,11 @@ pub async fn run(
     };
     let req = request(&route, &by, &reason, args.generation);
     let (stored, audit) = rollout::execute(&store, &req, &op).await?;
+    if let Ok(reg) = Registry::connect(file.registry.clone()).await {
+        if let Err(e) = rollout::lineage::follow(&reg, &stored, &audit).await {
+            eprintln!("warning: the registry could not follow this change: {e}");
+        }
+    }
     let weight = stored.active_rollout().map_or(0.0, |r| r.weight);
     println!(
         "{route}: {} done (generation {}); stable {}, canary {} at weight {weight}",

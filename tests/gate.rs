@@ -206,6 +206,8 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
         api_key: None,
         gate: Some(gate),
         promote: true,
+        rollout: Default::default(),
+        route: None,
         load_timeout_ms: 60_000,
     };
     // Live: a zero-B adapter (the base model's behaviour), gated against the base model.
@@ -327,6 +329,11 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
         .await
         .is_err());
 
+    canary_handover(
+        &reg, &cfg, &endpoint, &redis_url, &prefix, &model_cfg, &base_sha,
+    )
+    .await;
+
     let mut conn = redis::Client::open(redis_url.as_str())
         .unwrap()
         .get_multiplexed_async_connection()
@@ -344,4 +351,119 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
         .unwrap();
     let _ = stop.send(());
     eprintln!("total {:.1}s", t0.elapsed().as_secs_f64());
+}
+
+/// `publish.rollout = "canary"`: an accepted candidate is loaded as `support@4` beside the live
+/// `support@3`, queued on the route (created with the live version as stable) and marked
+/// `canary`; the controller starts its rollout; an operator's promotion makes it `live` and
+/// retires v3, the registry following the routing table.
+async fn canary_handover(
+    reg: &Registry,
+    cfg: &PublishConfig,
+    endpoint: &str,
+    redis_url: &str,
+    prefix: &str,
+    model_cfg: &ModelConfig,
+    base_sha: &str,
+) {
+    use hindsight_control::rollout::{self, Controller, Op, RolloutConfig};
+    let store = hindsight_routing::RoutingStore::new(hindsight_routing::StoreConfig {
+        redis_url: redis_url.into(),
+        key_prefix: format!("{prefix}:routing"),
+        retry_for_ms: 10_000,
+    })
+    .unwrap();
+    let cfg = PublishConfig {
+        promote: false,
+        rollout: hindsight_control::publish::PublishRollout::Canary,
+        ..cfg.clone()
+    };
+    let good = adapter(model_cfg, LoraInit::Peft, 4);
+    let v4 = register(reg, &good, Some(3), 256, base_sha).await;
+    let out =
+        hindsight_control::publish::gate_and_publish_with(reg, v4, &cfg, BASE_NAME, Some(&store))
+            .await
+            .unwrap();
+    assert_eq!(
+        out.entry.status,
+        VersionStatus::Canary,
+        "{:?}",
+        out.entry.note
+    );
+    assert_eq!(
+        reg.live(NAME).await.unwrap().unwrap().version,
+        3,
+        "the live version changed before any canary"
+    );
+    let route = store.get(NAME).await.unwrap().unwrap();
+    assert_eq!(route.stable, "support@3");
+    assert_eq!(
+        store.get_queued(NAME).await.unwrap().as_deref(),
+        Some("support@4")
+    );
+    // Both versions are served by name@version during the canary.
+    assert_eq!(adapter_header(endpoint, "support@3").await, "support@3");
+    assert_eq!(adapter_header(endpoint, "support@4").await, "support@4");
+
+    let log = hindsight_feedback::LogConfig {
+        brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
+        topic_prefix: format!("test-{}", uuid::Uuid::now_v7().simple()),
+        spill_dir: tempfile::tempdir().unwrap().keep(),
+        ..hindsight_feedback::LogConfig::default()
+    }
+    .validate()
+    .unwrap();
+    let (audit_log, audit) = rollout::controller::audit_log(log).await.unwrap();
+    let mut controller = Controller::new(RolloutConfig::default(), store, audit)
+        .unwrap()
+        .with_registry(Registry::connect(reg.config().clone()).await.unwrap());
+    controller.tick().await.unwrap();
+    let store = hindsight_routing::RoutingStore::new(hindsight_routing::StoreConfig {
+        redis_url: redis_url.into(),
+        key_prefix: format!("{prefix}:routing"),
+        retry_for_ms: 10_000,
+    })
+    .unwrap();
+    let route = store.get(NAME).await.unwrap().unwrap();
+    let r = route
+        .rollout
+        .clone()
+        .expect("the controller started the queued candidate");
+    assert_eq!(
+        (r.canary.as_str(), r.state.as_str(), r.weight),
+        ("support@4", "running", 0.01)
+    );
+    let entry = reg.get(NAME, 4).await.unwrap().unwrap();
+    assert!(
+        entry.note.as_deref().unwrap().contains(&r.id),
+        "{:?}",
+        entry.note
+    );
+
+    let (stored, record) = rollout::execute(
+        &store,
+        &rollout::Request {
+            route: NAME,
+            by: "operator:test",
+            reason: "looks good",
+            expected_generation: None,
+            stats: json!({}),
+        },
+        &Op::Promote,
+    )
+    .await
+    .unwrap();
+    rollout::lineage::follow(reg, &stored, &record)
+        .await
+        .unwrap();
+    assert_eq!(stored.stable, "support@4");
+    assert_eq!(reg.live(NAME).await.unwrap().unwrap().version, 4);
+    assert_eq!(
+        reg.get(NAME, 3).await.unwrap().unwrap().status,
+        VersionStatus::Retired
+    );
+    let trail = store.audit(NAME, 10).await.unwrap();
+    let actions: Vec<&str> = trail.iter().map(|a| a.action.as_str()).collect();
+    assert_eq!(actions, ["promote", "start", "set_stable"], "{trail:#?}");
+    audit_log.shutdown(Duration::from_secs(10)).await;
 }

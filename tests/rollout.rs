@@ -286,7 +286,10 @@ async fn weight_changes_reach_two_proxies_within_a_second_and_assignment_is_stic
         &req("test", "start"),
         &Op::Start {
             canary: "support@2".into(),
-            stages: (1..=100).map(|i| f64::from(i) / 101.0).chain([1.0]).collect(),
+            stages: (1..=100)
+                .map(|i| f64::from(i) / 101.0)
+                .chain([1.0])
+                .collect(),
             rollout_id: None,
         },
     )

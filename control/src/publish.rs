@@ -115,9 +115,19 @@ pub struct PublishConfig {
     /// The eval gate; `None` publishes without one (tests and benchmarks only).
     #[serde(default)]
     pub gate: Option<GateConfig>,
-    /// An accepted candidate goes live at once (until a rollout controller decides instead).
+    /// An accepted candidate goes live at once (single-machine demos; `rollout = "canary"` is
+    /// the guarded way).
     #[serde(default)]
     pub promote: bool,
+    /// `"canary"`: an accepted candidate is loaded on every endpoint (as `<name>@<version>`)
+    /// and handed to the rollout controller on `route` (status `canary`); the controller moves
+    /// it through its stages and the registry follows (`live` or `rolled_back`). `"off"`:
+    /// `promote` decides.
+    #[serde(default)]
+    pub rollout: PublishRollout,
+    /// The route (logical model) a canary runs on; default: the adapter's name.
+    #[serde(default)]
+    pub route: Option<String>,
     /// Timeout of each adapter load/unload call, in milliseconds.
     #[serde(default = "default_load_timeout_ms")]
     pub load_timeout_ms: u64,
@@ -130,6 +140,8 @@ impl std::fmt::Debug for PublishConfig {
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("gate", &self.gate)
             .field("promote", &self.promote)
+            .field("rollout", &self.rollout)
+            .field("route", &self.route)
             .field("load_timeout_ms", &self.load_timeout_ms)
             .finish()
     }
@@ -154,6 +166,17 @@ impl PublishConfig {
         }
         Ok(())
     }
+}
+
+/// How an accepted candidate reaches traffic.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PublishRollout {
+    /// `promote` decides: live at once, or left `candidate` for an operator.
+    #[default]
+    Off,
+    /// Hand it to the rollout controller.
+    Canary,
 }
 
 /// The gate's decision, with the scores it rests on.
@@ -569,8 +592,19 @@ pub async fn gate_and_publish(
     cfg: &PublishConfig,
     base_model_name: &str,
 ) -> Result<PublishOutcome, PublishError> {
+    gate_and_publish_with(reg, entry, cfg, base_model_name, None).await
+}
+
+/// [`gate_and_publish`] with the routing table, needed by `rollout = "canary"`.
+pub async fn gate_and_publish_with(
+    reg: &Registry,
+    entry: VersionEntry,
+    cfg: &PublishConfig,
+    base_model_name: &str,
+    routing: Option<&hindsight_routing::RoutingStore>,
+) -> Result<PublishOutcome, PublishError> {
     let started = Instant::now();
-    let result = publish_inner(reg, entry, cfg, base_model_name).await;
+    let result = publish_inner(reg, entry, cfg, base_model_name, routing).await;
     let label = match &result {
         Ok(PublishOutcome {
             verdict: Some(v), ..
@@ -644,8 +678,14 @@ async fn publish_inner(
     entry: VersionEntry,
     cfg: &PublishConfig,
     base_model_name: &str,
+    routing: Option<&hindsight_routing::RoutingStore>,
 ) -> Result<PublishOutcome, PublishError> {
     cfg.validate()?;
+    if cfg.rollout == PublishRollout::Canary && routing.is_none() {
+        return Err(PublishError::Config(
+            "publish.rollout = \"canary\" needs the routing table ([routing])".into(),
+        ));
+    }
     let client = reqwest::Client::builder()
         .timeout(Duration::from_millis(cfg.load_timeout_ms))
         .build()
@@ -739,6 +779,19 @@ async fn publish_inner(
     }
 
     // 3. Accepted.
+    if let (PublishRollout::Canary, Some(store)) = (cfg.rollout, routing) {
+        return hand_to_rollout(
+            reg,
+            store,
+            &client,
+            cfg,
+            &entry,
+            live.as_ref(),
+            base_model_name,
+            (verdict, eval),
+        )
+        .await;
+    }
     if !cfg.promote {
         let entry = reg
             .set_status(
@@ -771,6 +824,70 @@ async fn publish_inner(
         .await?;
     unload_everywhere_best_effort(&client, cfg, &cand_name).await;
     tracing::info!(name = %name, version = entry.version, previous = ?live.as_ref().map(|l| l.version), "Adapter version live.");
+    Ok(PublishOutcome { entry, verdict })
+}
+
+/// `rollout = "canary"`: the accepted candidate is loaded under its name on every endpoint (so
+/// `<name>@<version>` resolves while the previous versions stay served), the route is created
+/// with the live version as stable if it does not exist, the candidate is queued for the
+/// rollout controller (which starts it with its own stages, or per `on_new_candidate` when a
+/// canary runs) and its status becomes `canary`.
+#[allow(clippy::too_many_arguments)]
+async fn hand_to_rollout(
+    reg: &Registry,
+    store: &hindsight_routing::RoutingStore,
+    client: &reqwest::Client,
+    cfg: &PublishConfig,
+    entry: &VersionEntry,
+    live: Option<&VersionEntry>,
+    base_model_name: &str,
+    (verdict, eval): (Option<GateVerdict>, Option<Value>),
+) -> Result<PublishOutcome, PublishError> {
+    let name = entry.name.clone();
+    let cand_name = candidate_name(&name);
+    if let Err(e) = promote_everywhere(client, cfg, &name, entry, live).await {
+        unload_everywhere_best_effort(client, cfg, &cand_name).await;
+        return Err(e);
+    }
+    unload_everywhere_best_effort(client, cfg, &cand_name).await;
+    let route = cfg.route.clone().unwrap_or_else(|| name.clone());
+    let routing_err =
+        |e: hindsight_routing::RoutingError| PublishError::Config(format!("routing table: {e}"));
+    if store.get(&route).await.map_err(routing_err)?.is_none() {
+        let stable = match live {
+            Some(l) => l.tag(),
+            None if !base_model_name.is_empty() => base_model_name.to_string(),
+            None => discover_base(client, cfg).await?,
+        };
+        crate::rollout::execute(
+            store,
+            &crate::rollout::Request {
+                route: &route,
+                by: "learner",
+                reason: "first canary on this route: stable is the live version",
+                expected_generation: Some(0),
+                stats: serde_json::json!({}),
+            },
+            &crate::rollout::Op::SetStable { stable },
+        )
+        .await
+        .map_err(routing_err)?;
+    }
+    crate::rollout::queue::enqueue(store, &route, &entry.tag())
+        .await
+        .map_err(routing_err)?;
+    let entry = reg
+        .set_status(
+            &name,
+            entry.version,
+            VersionStatus::Canary,
+            eval,
+            Some(format!(
+                "handed to the rollout controller on route `{route}`"
+            )),
+        )
+        .await?;
+    tracing::info!(name = %name, version = entry.version, route = %route, "Candidate handed to the rollout controller.");
     Ok(PublishOutcome { entry, verdict })
 }
 

@@ -73,7 +73,8 @@ impl Default for RegistryConfig {
     }
 }
 
-/// Life cycle of a version: `candidate` → `live` → `retired`, or `candidate` → `rejected`.
+/// Life cycle of a version: `candidate` → `live` → `retired`, or `candidate` → `rejected`; with
+/// canary rollouts `candidate` → `canary` → `live` or `rolled_back`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum VersionStatus {
@@ -85,6 +86,10 @@ pub enum VersionStatus {
     Retired,
     /// Refused by the eval gate (or by an operator); never served as `<name>`.
     Rejected,
+    /// Accepted by the gate and handed to the rollout controller (queued or in a canary).
+    Canary,
+    /// Its canary was rolled back (harm, drift, an operator or a newer candidate).
+    RolledBack,
 }
 
 impl VersionStatus {
@@ -95,6 +100,8 @@ impl VersionStatus {
             VersionStatus::Live => "live",
             VersionStatus::Retired => "retired",
             VersionStatus::Rejected => "rejected",
+            VersionStatus::Canary => "canary",
+            VersionStatus::RolledBack => "rolled_back",
         }
     }
 }

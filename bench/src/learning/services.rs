@@ -187,11 +187,14 @@ pub(super) fn learner_setup(
             key_prefix: format!("{prefix}:registry"),
             adapter_dir: cfg.work_dir.join("adapters"),
         }),
+        routing: None,
         publish: Some(PublishConfig {
             endpoints: vec![serve_url.to_string()],
             api_key: None,
             gate: None,
             promote: true,
+            rollout: Default::default(),
+            route: None,
             load_timeout_ms: 60_000,
         }),
     }

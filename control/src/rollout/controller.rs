@@ -236,6 +236,8 @@ pub struct Controller {
     store: RoutingStore,
     audit: LogHandle,
     metrics: OnlineMetrics,
+    /// The adapter registry, which follows each rollout's outcome (when configured).
+    registry: Option<crate::registry::Registry>,
     /// (route, rollout id, stage) → counts when the controller first saw that stage.
     stage_bases: std::collections::HashMap<(String, String, usize), StageBase>,
 }
@@ -258,8 +260,48 @@ impl Controller {
             store,
             audit,
             metrics,
+            registry: None,
             stage_bases: std::collections::HashMap::new(),
         })
+    }
+
+    /// Keeps `registry` in step with each rollout (`canary` → `live` or `rolled_back`).
+    pub fn with_registry(mut self, registry: crate::registry::Registry) -> Self {
+        self.registry = Some(registry);
+        self
+    }
+
+    /// Writes one decision: the route (compare-and-set), the audit record to Kafka, and the
+    /// registry's status of the canary.
+    async fn act(
+        &self,
+        route: &hindsight_routing::Route,
+        op: &Op,
+        reason: &str,
+        stats: Value,
+    ) -> Result<(), RoutingError> {
+        let req = ops::Request {
+            route: &route.route,
+            by: "controller",
+            reason,
+            expected_generation: Some(route.generation),
+            stats,
+        };
+        match ops::execute(&self.store, &req, op).await {
+            Ok((stored, audit)) => {
+                tracing::info!(route = %stored.route, action = op.action(), %reason, "Rollout decision.");
+                self.publish_audit(&audit);
+                if let Some(reg) = &self.registry {
+                    if let Err(e) = super::lineage::follow(reg, &stored, &audit).await {
+                        tracing::warn!(error = %e, "Could not update the registry after a rollout decision; the next decision retries.");
+                    }
+                }
+                Ok(())
+            }
+            // An operator acted in between: decide again next tick on the new state.
+            Err(RoutingError::Conflict { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     /// Feeds one record read from the interactions or feedback topic.
@@ -286,25 +328,30 @@ impl Controller {
         for parsed in self.store.load_all().await? {
             let Ok(route) = parsed else { continue };
             if let Some(next) = super::queue::next_queued(&self.store, &route).await? {
-                let (stored, audit) = ops::execute(
-                    &self.store,
-                    &ops::Request {
-                        route: &route.route,
-                        by: "controller",
-                        reason: "starting the next queued candidate",
-                        expected_generation: Some(route.generation),
-                        stats: json!({}),
-                    },
-                    &Op::Start {
-                        canary: next,
-                        stages: self.cfg.stages.clone(),
-                        rollout_id: None,
-                    },
+                let op = Op::Start {
+                    canary: next.clone(),
+                    stages: self.cfg.stages.clone(),
+                    rollout_id: None,
+                };
+                self.act(
+                    &route,
+                    &op,
+                    &format!("starting queued candidate {next}"),
+                    json!({}),
                 )
                 .await?;
-                self.publish_audit(&audit);
-                tracing::info!(route = %stored.route, "Started a queued rollout.");
                 continue;
+            }
+            if let (Some(active), super::config::CandidatePolicy::Supersede) =
+                (route.active_rollout(), self.cfg.on_new_candidate)
+            {
+                if let Some(newer) = self.store.get_queued(&route.route).await? {
+                    if newer != active.canary {
+                        let why = format!("superseded by the newer candidate {newer}");
+                        self.act(&route, &Op::Rollback, &why, json!({})).await?;
+                        continue;
+                    }
+                }
             }
             let Some(rollout) = route.rollout.clone() else {
                 continue;
@@ -337,22 +384,7 @@ impl Controller {
                 Decision::Rollback(r) => (Op::Rollback, r),
                 Decision::Freeze(r) => (Op::Freeze, r),
             };
-            let req = ops::Request {
-                route: &route.route,
-                by: "controller",
-                reason: &reason,
-                expected_generation: Some(route.generation),
-                stats,
-            };
-            match ops::execute(&self.store, &req, &op).await {
-                Ok((stored, audit)) => {
-                    tracing::info!(route = %stored.route, action = op.action(), %reason, "Rollout decision.");
-                    self.publish_audit(&audit);
-                }
-                // An operator acted in between: decide again next tick on the new state.
-                Err(RoutingError::Conflict { .. }) => {}
-                Err(e) => return Err(e),
-            }
+            self.act(&route, &op, &reason, stats).await?;
         }
         Ok(())
     }

@@ -6,6 +6,7 @@
 
 pub mod config;
 pub mod controller;
+pub mod lineage;
 pub mod metrics;
 pub mod ops;
 pub mod queue;

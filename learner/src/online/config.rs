@@ -261,4 +261,7 @@ pub struct LearnerFile {
     /// Publishing (candidates are only registered without it).
     #[serde(default)]
     pub publish: Option<PublishConfig>,
+    /// The routing table, for `publish.rollout = "canary"`.
+    #[serde(default)]
+    pub routing: Option<hindsight_routing::RoutingConfig>,
 }

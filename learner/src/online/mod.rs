@@ -106,6 +106,8 @@ pub struct LearnerSetup {
     pub registry: Option<RegistryConfig>,
     /// `[publish]`, if candidates are gated and loaded into serving.
     pub publish: Option<PublishConfig>,
+    /// `[routing]`, where `publish.rollout = "canary"` hands candidates over.
+    pub routing: Option<hindsight_routing::RoutingConfig>,
 }
 
 /// One candidate the loop produced.
@@ -208,6 +210,7 @@ pub async fn run_learner(
     let mut run = Run {
         cfg: &cfg,
         publish: setup.publish.as_ref(),
+        routing: setup.routing.as_ref(),
         reader: &reader,
         events: &events,
         registry,
@@ -315,6 +318,7 @@ fn commit(
 struct Run<'a> {
     cfg: &'a LearnerConfig,
     publish: Option<&'a PublishConfig>,
+    routing: Option<&'a hindsight_routing::RoutingConfig>,
     reader: &'a TopicReader,
     events: &'a Option<mpsc::UnboundedSender<LearnerEvent>>,
     registry: Option<Registry>,
@@ -487,6 +491,7 @@ impl Run<'_> {
         let made = candidate(
             reg,
             self.publish,
+            self.routing,
             tr,
             &mut self.state,
             cfg,

@@ -1,7 +1,8 @@
 //! The checkpoint and candidate stages: saving the trainer with the loop state (before any
 //! offset commit), and registering and publishing a candidate adapter.
 
-use hindsight_control::publish::{gate_and_publish, PublishConfig};
+use hindsight_control::publish::{gate_and_publish_with, PublishConfig, PublishRollout};
+use hindsight_control::registry::RegistryError;
 use hindsight_control::registry::{NewVersion, OffsetRange, Registry, VersionEntry};
 use hindsight_feedback::now_ms;
 use serde_json::json;
@@ -48,6 +49,7 @@ pub(super) async fn checkpoint(
 pub(super) async fn candidate(
     reg: &Registry,
     publish: Option<&PublishConfig>,
+    routing: Option<&hindsight_routing::RoutingConfig>,
     tr: &Trainer,
     state: &mut LoopState,
     cfg: &LearnerConfig,
@@ -55,7 +57,7 @@ pub(super) async fn candidate(
     topic: &str,
 ) -> Result<CandidateReport, OnlineError> {
     let adapter = tr.snapshot_policy(&cfg.adapter_name)?;
-    let offsets = state
+    let offsets: Vec<OffsetRange> = state
         .positions
         .iter()
         .filter_map(|(k, to)| {
@@ -70,19 +72,35 @@ pub(super) async fn candidate(
             })
         })
         .collect();
-    let entry: VersionEntry = reg
-        .register(NewVersion {
-            name: &cfg.adapter_name,
-            adapter: &adapter,
-            base_model: &cfg.served_base_name(),
-            base_model_sha256: base_sha,
-            parent: state.live_version,
-            training_config: serde_json::to_value(&cfg.trainer).unwrap_or_default(),
-            offsets,
-            examples: state.examples - state.candidate_examples,
-            tokens: tr.state().tokens,
-        })
-        .await?;
+    let base_name = cfg.served_base_name();
+    let new_version = || NewVersion {
+        name: &cfg.adapter_name,
+        adapter: &adapter,
+        base_model: &base_name,
+        base_model_sha256: base_sha,
+        parent: state.live_version,
+        training_config: serde_json::to_value(&cfg.trainer).unwrap_or_default(),
+        offsets: offsets.clone(),
+        examples: state.examples - state.candidate_examples,
+        tokens: tr.state().tokens,
+    };
+    // A Redis blip (a restart, a failover) must not cost the candidate: transient errors are
+    // retried with backoff for up to 30 s. A retry after an unknown outcome may leave one
+    // version number unused, never an entry without files.
+    let mut backoff = std::time::Duration::from_millis(200);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let entry: VersionEntry = loop {
+        match reg.register(new_version()).await {
+            Err(RegistryError::Redis(e))
+                if hindsight_routing::is_transient(&e) && std::time::Instant::now() < deadline =>
+            {
+                warn!(error = %e, "Registering the candidate hit a Redis error; retrying.");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(std::time::Duration::from_secs(5));
+            }
+            other => break other?,
+        }
+    };
     let version = entry.version;
     info!(version, examples = state.examples, "Candidate registered.");
     state.candidate_from = state.positions.clone();
@@ -90,7 +108,7 @@ pub(super) async fn candidate(
     state.candidate_examples = state.examples;
     state.candidate_at_ms = now_ms();
     let (verdict, status) = match publish {
-        Some(p) => match gate_and_publish(reg, entry, p, &cfg.served_base_name()).await {
+        Some(p) => match publish_one(reg, entry, p, routing, &base_name).await {
             Ok(out) => {
                 if out.entry.status.to_string() == "live" {
                     state.live_version = Some(out.entry.version);
@@ -114,4 +132,24 @@ pub(super) async fn candidate(
         verdict,
         status,
     })
+}
+
+/// Gates and publishes one candidate; with `publish.rollout = "canary"` through the routing
+/// table of `[routing]`.
+async fn publish_one(
+    reg: &Registry,
+    entry: VersionEntry,
+    p: &PublishConfig,
+    routing: Option<&hindsight_routing::RoutingConfig>,
+    base_name: &str,
+) -> Result<hindsight_control::publish::PublishOutcome, hindsight_control::publish::PublishError> {
+    let store = match (p.rollout, routing) {
+        (PublishRollout::Canary, Some(r)) => Some(
+            hindsight_routing::RoutingStore::new(r.store()).map_err(|e| {
+                hindsight_control::publish::PublishError::Config(format!("routing: {e}"))
+            })?,
+        ),
+        _ => None,
+    };
+    gate_and_publish_with(reg, entry, p, base_name, store.as_ref()).await
 }
