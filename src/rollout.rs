@@ -4,8 +4,12 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use hindsight_control::registry::{Registry, RegistryConfig, VersionStatus};
-use hindsight_control::rollout::{self, CandidatePolicy, Op, RolloutConfig};
+use std::sync::Arc;
+
+use hindsight_control::registry::{Registry, RegistryConfig};
+use hindsight_control::rollout::admin::AdminState;
+use hindsight_control::rollout::commands::{self, Actor, Command, Outcome};
+use hindsight_control::rollout::{self, CandidatePolicy, RolloutConfig};
 use hindsight_routing::{RoutingConfig, RoutingStore};
 use serde::Deserialize;
 use serde_json::json;
@@ -119,36 +123,13 @@ pub async fn run(
     } else {
         format!("operator:{}", args.by)
     };
-    let simple = |route: &str, op: Op| (route.to_string(), op);
-    let (route, op) = match args.command.clone() {
-        RolloutCommand::Run => {
-            let log = file.log.validate()?;
-            let (audit_log, handle) = rollout::controller::audit_log(log.clone()).await?;
-            let registry = Registry::connect(file.registry.clone()).await?;
-            let controller =
-                rollout::Controller::new(file.rollout, store, handle)?.with_registry(registry);
-            tracing::info!("Rollout controller running.");
-            controller.run(&log, shutdown).await?;
-            audit_log.shutdown(std::time::Duration::from_secs(10)).await;
-            return Ok(());
-        }
+    let (route, cmd) = match args.command.clone() {
+        RolloutCommand::Run => return run_controller(file, store, shutdown).await,
         RolloutCommand::Status { route, json } => return status(&store, route, json).await,
         RolloutCommand::History { route, limit, json } => {
-            for a in store.audit(&route, limit).await? {
-                if json {
-                    println!("{}", serde_json::to_string(&a)?);
-                } else {
-                    println!(
-                        "gen {:>4}  {}  {:<10} {:<20} weight {:.2}  {}",
-                        a.generation, a.at_ms, a.action, a.by, a.weight, a.reason
-                    );
-                }
-            }
-            return Ok(());
+            return history(&store, &route, limit, json).await
         }
-        RolloutCommand::SetStable { route, version } => {
-            simple(&route, Op::SetStable { stable: version })
-        }
+        RolloutCommand::SetStable { route, version } => (route, Command::SetStable { version }),
         RolloutCommand::Start {
             route,
             version,
@@ -156,121 +137,132 @@ pub async fn run(
             policy,
             endpoints,
         } => {
-            check_version(&file.registry, &version, &endpoints).await?;
             let policy = match policy.as_deref() {
-                None => file.rollout.on_new_candidate,
-                Some("queue") => CandidatePolicy::Queue,
-                Some("supersede") => CandidatePolicy::Supersede,
+                None => None,
+                Some("queue") => Some(CandidatePolicy::Queue),
+                Some("supersede") => Some(CandidatePolicy::Supersede),
                 Some(other) => anyhow::bail!("--policy `{other}`: use `queue` or `supersede`"),
             };
-            let current = store.get(&route).await?;
-            if let Some(active) = current.as_ref().and_then(|r| r.active_rollout()) {
-                match policy {
-                    CandidatePolicy::Queue => {
-                        rollout::queue::enqueue(&store, &route, &version).await?;
-                        println!(
-                            "{route}: rollout of {} is {}; {version} is queued and starts when it ends",
-                            active.canary, active.state
-                        );
-                        return Ok(());
-                    }
-                    CandidatePolicy::Supersede => {
-                        let reason = format!("superseded by {version}");
-                        let req = request(&route, &by, &reason, args.generation);
-                        rollout::execute(&store, &req, &Op::Rollback).await?;
-                    }
-                }
-            }
-            simple(
-                &route,
-                Op::Start {
-                    canary: version,
-                    stages: stages.unwrap_or_else(|| file.rollout.stages.clone()),
-                    rollout_id: None,
+            (
+                route,
+                Command::Start {
+                    version,
+                    stages,
+                    policy,
+                    endpoints,
                 },
             )
         }
-        RolloutCommand::Pause { route } => simple(&route, Op::Pause),
-        RolloutCommand::Resume { route } => simple(&route, Op::Resume),
-        RolloutCommand::Promote { route } => simple(&route, Op::Promote),
-        RolloutCommand::Rollback { route } => simple(&route, Op::Rollback),
-        RolloutCommand::Kill { route } => simple(&route, Op::Kill),
+        RolloutCommand::Pause { route } => (route, Command::Pause),
+        RolloutCommand::Resume { route } => (route, Command::Resume),
+        RolloutCommand::Promote { route } => (route, Command::Promote),
+        RolloutCommand::Rollback { route } => (route, Command::Rollback),
+        RolloutCommand::Kill { route } => (route, Command::Kill),
         RolloutCommand::Pin {
             route,
             user,
             version,
-        } => simple(&route, Op::Pin { user, version }),
-        RolloutCommand::Unpin { route, user } => simple(&route, Op::Unpin { user }),
+        } => (route, Command::Pin { user, version }),
+        RolloutCommand::Unpin { route, user } => (route, Command::Unpin { user }),
     };
-    let reason = if args.reason.is_empty() {
-        format!("{} by {by}", op.action())
-    } else {
-        args.reason.clone()
+    // The registry is consulted and kept in step when it answers; the routing table is the
+    // authority, so a command is not refused because the registry is away.
+    let registry = Registry::connect(file.registry.clone()).await.ok();
+    let actor = Actor {
+        by: &by,
+        reason: &args.reason,
+        generation: args.generation,
     };
-    let req = request(&route, &by, &reason, args.generation);
-    let (stored, audit) = rollout::execute(&store, &req, &op).await?;
-    if let Ok(reg) = Registry::connect(file.registry.clone()).await {
-        if let Err(e) = rollout::lineage::follow(&reg, &stored, &audit).await {
-            eprintln!("warning: the registry could not follow this change: {e}");
+    match commands::run(
+        &store,
+        registry.as_ref(),
+        &file.rollout,
+        &route,
+        &actor,
+        cmd,
+    )
+    .await?
+    {
+        Outcome::Queued { version, behind } => {
+            println!("{route}: the rollout of {behind} is running; {version} is queued and starts when it ends");
+        }
+        Outcome::Done {
+            route: stored,
+            audit,
+        } => {
+            let weight = stored.active_rollout().map_or(0.0, |r| r.weight);
+            println!(
+                "{route}: {} done (generation {}); stable {}, canary {} at weight {weight}",
+                audit.action,
+                stored.generation,
+                stored.stable,
+                stored
+                    .rollout
+                    .as_ref()
+                    .map_or("-".to_string(), |r| format!("{} ({})", r.canary, r.state)),
+            );
         }
     }
-    let weight = stored.active_rollout().map_or(0.0, |r| r.weight);
-    println!(
-        "{route}: {} done (generation {}); stable {}, canary {} at weight {weight}",
-        audit.action,
-        stored.generation,
-        stored.stable,
-        stored
-            .rollout
-            .as_ref()
-            .map_or("-".to_string(), |r| format!("{} ({})", r.canary, r.state)),
-    );
     Ok(())
 }
 
-fn request<'a>(
-    route: &'a str,
-    by: &'a str,
-    reason: &'a str,
-    generation: Option<u64>,
-) -> rollout::Request<'a> {
-    rollout::Request {
-        route,
-        by,
-        reason,
-        expected_generation: generation,
-        stats: json!({}),
+/// `hindsight rollout run`: the controller, with its admin API and `/metrics`.
+async fn run_controller(
+    file: RolloutFile,
+    store: RoutingStore,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let log = file.log.validate()?;
+    let (audit_log, handle) = rollout::controller::audit_log(log.clone()).await?;
+    let registry = Registry::connect(file.registry.clone())
+        .await
+        .context("connecting to the adapter registry ([registry].redis_url)")?;
+    let admin = Arc::new(AdminState {
+        store: RoutingStore::new(file.routing.store())?,
+        registry: Some(Registry::connect(file.registry.clone()).await?),
+        cfg: file.rollout.clone(),
+        token: file
+            .rollout
+            .admin_token
+            .as_ref()
+            .map(|t| t.0.clone())
+            .unwrap_or_default(),
+        prometheus: hindsight_proxy::prometheus()
+            .map(|h| Box::new(move || h.render()) as Box<dyn Fn() -> String + Send + Sync>),
+    });
+    let addr = file.rollout.admin_addr.clone();
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding rollout.admin_addr {addr}"))?;
+    if file.rollout.admin_token.is_none() {
+        tracing::warn!(
+            "rollout.admin_token is not set: the admin API refuses every command (401)."
+        );
     }
+    tracing::info!(%addr, "Rollout admin API listening.");
+    let app = rollout::admin::router(admin);
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let controller = rollout::Controller::new(file.rollout, store, handle)?.with_registry(registry);
+    tracing::info!("Rollout controller running.");
+    controller.run(&log, shutdown).await?;
+    audit_log.shutdown(std::time::Duration::from_secs(10)).await;
+    Ok(())
 }
 
-/// A `name@N` version must be registered and not rejected, and loaded on every endpoint given.
-async fn check_version(
-    registry: &RegistryConfig,
-    version: &str,
-    endpoints: &[String],
+async fn history(
+    store: &RoutingStore,
+    route: &str,
+    limit: usize,
+    json: bool,
 ) -> anyhow::Result<()> {
-    if let Some((name, n)) = version.rsplit_once('@') {
-        let n: u64 = n
-            .parse()
-            .with_context(|| format!("version `{version}`: `{n}` is not a version number"))?;
-        let reg = Registry::connect(registry.clone()).await?;
-        match reg.get(name, n).await? {
-            None => anyhow::bail!("{version} is not registered (see `hindsight adapters list`)"),
-            Some(e) if e.status == VersionStatus::Rejected => anyhow::bail!(
-                "{version} was rejected{}; it cannot be rolled out",
-                e.note.map(|n| format!(" ({n})")).unwrap_or_default()
-            ),
-            Some(_) => {}
-        }
-    }
-    let client = reqwest::Client::new();
-    for e in endpoints {
-        let models = hindsight_control::publish::served_models(&client, e, None).await?;
-        let loaded = models
-            .iter()
-            .any(|m| m.get("id").and_then(serde_json::Value::as_str) == Some(version));
-        if !loaded {
-            anyhow::bail!("{version} is not loaded on {e}; load it there first");
+    for a in store.audit(route, limit).await? {
+        if json {
+            println!("{}", serde_json::to_string(&a)?);
+        } else {
+            println!(
+                "gen {:>4}  {}  {:<10} {:<20} weight {:.2}  {}",
+                a.generation, a.at_ms, a.action, a.by, a.weight, a.reason
+            );
         }
     }
     Ok(())

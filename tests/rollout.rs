@@ -641,3 +641,246 @@ async fn the_controller_rolls_back_harm_promotes_good_and_freezes_on_drift() {
         );
     }
 }
+
+/// The whole control plane as processes: `hindsight rollout run` (the controller, reading the
+/// proxy's records and the users' feedback from Kafka) rolls back a harmful canary by itself;
+/// its admin API refuses commands without the token and kills a rollout with it; the CLI
+/// prints the status and the audit trail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controller_process_rolls_back_from_kafka_and_answers_operators() {
+    let redis = Redis::start();
+    let prefix = format!("hindsight:test:{}", uuid::Uuid::now_v7().simple());
+    let topics = format!("test-{}", uuid::Uuid::now_v7().simple());
+    let upstream = start_upstream("error").await;
+    let p = Proxy::start(upstream, &redis.url(), &prefix, &topics);
+    let s = store(&redis.url(), &prefix);
+    let client = reqwest::Client::new();
+    let dir = tempfile::tempdir().unwrap();
+    let admin_port = free_port();
+    let token = "test-token-0123456789abcdef";
+    let cfg = dir.path().join("rollout.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            r#"[routing]
+redis_url = "{url}"
+key_prefix = "{prefix}"
+[registry]
+redis_url = "{url}"
+key_prefix = "{prefix}:registry"
+[log]
+brokers = "{brokers}"
+topic_prefix = "{topics}"
+spill_dir = "{spill}"
+[rollout]
+stages = [0.3, 1.0]
+min_stage_ms = 0
+min_exposures = 1000
+maturation_ms = 0
+admin_addr = "127.0.0.1:{admin_port}"
+eval_interval_ms = 200
+"#,
+            url = redis.url(),
+            brokers = brokers(),
+            spill = dir.path().join("spill").display(),
+        ),
+    )
+    .unwrap();
+    let cli = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_hindsight"))
+            .args(["rollout", "--config"])
+            .arg(&cfg)
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let (ok, text) = cli(&["set-stable", "support", "support@1"]);
+    assert!(ok, "{text}");
+    let (ok, text) = cli(&[
+        "--reason",
+        "bad input",
+        "start",
+        "support",
+        "support@2",
+        "--stages",
+        "0.5,0.25,1.0",
+    ]);
+    assert!(
+        !ok && text.contains("increase"),
+        "stages that do not increase: {text}"
+    );
+    let (ok, text) = cli(&["start", "nope", "support@2"]);
+    assert!(!ok && text.contains("no route"), "unknown route: {text}");
+    let (ok, text) = cli(&["start", "support", "support@2"]);
+    assert!(ok, "{text}");
+
+    let mut controller = Command::new(env!("CARGO_BIN_EXE_hindsight"))
+        .env("HINDSIGHT_ROLLOUT__ADMIN_TOKEN", token)
+        .args(["rollout", "--config"])
+        .arg(&cfg)
+        .arg("run")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let log = LogConfig {
+        brokers: brokers(),
+        topic_prefix: topics.clone(),
+        spill_dir: dir.path().join("spill-feedback"),
+        ..LogConfig::default()
+    }
+    .validate()
+    .unwrap();
+    let (feedback_log, feedback) = hindsight_feedback::RecordLog::start(log.clone())
+        .await
+        .unwrap();
+    let reader = hindsight_feedback::TopicReader::new(
+        &log,
+        &format!("t-{}", uuid::Uuid::now_v7()),
+        &[Topic::Interactions],
+    )
+    .unwrap();
+    let started = Instant::now();
+    let mut canary_requests = 0;
+    let mut state = String::new();
+    while started.elapsed() < Duration::from_secs(60) {
+        for i in 0..10 {
+            p.call(&client, &format!("u{}-{i}", started.elapsed().as_millis()))
+                .await;
+        }
+        // The simulated users: a thumbs-down for every failed answer, a thumbs-up otherwise.
+        while let Ok(Some(rec)) = reader.recv_timeout(Duration::from_millis(200)).await {
+            let ir: hindsight_feedback::InteractionRecord = rec.decode().unwrap();
+            canary_requests +=
+                usize::from(ir.assignment.as_ref().is_some_and(|a| a.arm == "canary"));
+            let fb = FeedbackRecord {
+                schema: FEEDBACK_SCHEMA.into(),
+                feedback_id: uuid::Uuid::now_v7(),
+                target: FeedbackTarget::Interaction(ir.interaction_id),
+                value: FeedbackValue::Thumbs(ir.status == 200),
+                metric: None,
+                source: None,
+                rater: None,
+                tags: vec![],
+                retracts: None,
+                event_time_ms: hindsight_feedback::now_ms(),
+            };
+            feedback.submit(
+                Topic::Feedback,
+                fb.target.key(),
+                fb.feedback_id,
+                serde_json::to_vec(&fb).unwrap().into(),
+            );
+        }
+        state = s
+            .get("support")
+            .await
+            .unwrap()
+            .unwrap()
+            .rollout
+            .unwrap()
+            .state
+            .to_string();
+        if state != "running" {
+            break;
+        }
+    }
+    println!(
+        "controller process: {state} after {canary_requests} canary requests, {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(state, "rolled_back");
+    let (ok, history) = cli(&["history", "support"]);
+    assert!(
+        ok && history.contains("rollback")
+            && history.contains("controller")
+            && history.contains("harm"),
+        "{history}"
+    );
+    println!("{history}");
+    let (ok, status) = cli(&["status"]);
+    assert!(
+        ok && status.contains("support@2") && status.contains("rolled_back"),
+        "{status}"
+    );
+
+    // The admin API: 401 without the token; with it, a new rollout is started and killed.
+    let api = format!("http://127.0.0.1:{admin_port}/v1/rollouts/support");
+    let r = client
+        .post(&api)
+        .json(&json!({"action": "kill"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = client
+        .post(&api)
+        .bearer_auth("wrong-token-0123456789")
+        .json(&json!({"action": "kill"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = client
+        .post(&api)
+        .bearer_auth(token)
+        .json(&json!({"action": "start", "version": "support@3", "stages": [1.5]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400, "{}", r.text().await.unwrap());
+    let r = client
+        .post(&api)
+        .bearer_auth(token)
+        .json(&json!({"action": "start", "version": "support@3", "stages": [0.5, 1.0]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let r = client
+        .post(&api)
+        .bearer_auth(token)
+        .json(&json!({"action": "pause", "generation": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 409, "a command on an old generation");
+    let killed_at = Instant::now();
+    let r: Value = client
+        .post(&api)
+        .bearer_auth(token)
+        .json(&json!({"action": "kill", "by": "oncall", "reason": "test"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let generation = r["route"]["generation"].as_u64().unwrap();
+    while p.generation(&client).await < generation {
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(1),
+            "kill took over a second to reach the proxy"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(futures_join(&p, &client, 20)
+        .await
+        .iter()
+        .all(|(_, v)| v == "support@1"));
+    let metrics = client
+        .get(format!("http://127.0.0.1:{admin_port}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(metrics.contains("hindsight_rollout_exposures"), "{metrics}");
+    feedback_log.shutdown(Duration::from_secs(5)).await;
+    let _ = controller.kill();
+    let _ = controller.wait();
+}

@@ -86,6 +86,24 @@ pub struct RolloutConfig {
     /// How often the controller evaluates every route.
     #[serde(default = "default_eval_interval_ms")]
     pub eval_interval_ms: u64,
+    /// Where `hindsight rollout run` serves its admin API and `/metrics`.
+    #[serde(default = "default_admin_addr")]
+    pub admin_addr: String,
+    /// Bearer token of the admin API's commands (without one, every command is refused with
+    /// 401; set it from the environment: `HINDSIGHT_ROLLOUT__ADMIN_TOKEN`).
+    #[serde(default, skip_serializing)]
+    pub admin_token: Option<AdminToken>,
+}
+
+/// The admin API's bearer token; `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct AdminToken(pub String);
+
+impl std::fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AdminToken(***)")
+    }
 }
 
 fn default_stages() -> Vec<f64> {
@@ -139,6 +157,9 @@ fn default_on_new_candidate() -> CandidatePolicy {
 fn default_eval_interval_ms() -> u64 {
     1_000
 }
+fn default_admin_addr() -> String {
+    "127.0.0.1:9466".into()
+}
 
 impl Default for RolloutConfig {
     fn default() -> Self {
@@ -161,6 +182,8 @@ impl Default for RolloutConfig {
             on_drift: default_on_drift(),
             on_new_candidate: default_on_new_candidate(),
             eval_interval_ms: default_eval_interval_ms(),
+            admin_addr: default_admin_addr(),
+            admin_token: None,
         }
     }
 }
@@ -200,6 +223,15 @@ impl RolloutConfig {
             if !(v.is_finite() && v > 1.0) {
                 return Err(bad(key, format!("{v} must be greater than 1")));
             }
+        }
+        if self.admin_addr.parse::<std::net::SocketAddr>().is_err() {
+            return Err(bad(
+                "admin_addr",
+                format!("`{}` is not an IP:port address", self.admin_addr),
+            ));
+        }
+        if self.admin_token.as_ref().is_some_and(|t| t.0.len() < 16) {
+            return Err(bad("admin_token", "must be at least 16 characters".into()));
         }
         if self.eval_interval_ms == 0 {
             return Err(bad("eval_interval_ms", "must be greater than 0".into()));

@@ -87,11 +87,80 @@ pub fn decide(
             json!({}),
         );
     };
-    let mut guards = serde_json::Map::new();
+    let mut tests = serde_json::Map::new();
+    let harm = guard_tests(cfg, c, s, alpha, &mut tests);
+    let drift = drift_tests(cfg, c, s, alpha, &mut tests);
+    let stats = json!({
+        "stage": rollout.stage, "weight": rollout.weight,
+        "canary": c.summary(), "stable": s.summary(), "guards": tests,
+    });
+    if !harm.is_empty() {
+        return (
+            Decision::Rollback(format!("harm: {}", harm.join("; "))),
+            stats,
+        );
+    }
+    if !drift.is_empty() {
+        let why = format!("behaviour drift: {}", drift.join(", "));
+        return match cfg.on_drift {
+            DriftPolicy::Freeze => (Decision::Freeze(why), stats),
+            DriftPolicy::Rollback => (Decision::Rollback(why), stats),
+        };
+    }
+    let waiting = stage_waits(cfg, rollout, (c, s), base, now_ms);
+    if !waiting.is_empty() {
+        return (
+            Decision::Wait(format!("waiting for {}", waiting.join(", "))),
+            stats,
+        );
+    }
+    let next = rollout
+        .stages
+        .get(rollout.stage + 1)
+        .copied()
+        .unwrap_or(1.0);
+    let what = if next >= 1.0 {
+        "promote".to_string()
+    } else {
+        format!("advance to {next}")
+    };
+    (
+        Decision::Advance(format!(
+            "{what}: stage minimums met, no guard or drift alarm"
+        )),
+        stats,
+    )
+}
+
+/// The harm guards (negative feedback, errors, latency), each an anytime-valid interval for
+/// canary − stable against its non-inferiority margin; returns why each one that fired did.
+fn guard_tests(
+    cfg: &RolloutConfig,
+    c: &ArmMetrics,
+    s: &ArmMetrics,
+    alpha: Alpha,
+    out: &mut serde_json::Map<String, Value>,
+) -> Vec<String> {
     let mut harm = Vec::new();
-    let mut check = |name: &str, diff: Interval, margin: f64| {
+    for (name, diff, margin) in [
+        (
+            "negative_feedback",
+            rate_difference_cs(&c.negative, &s.negative, alpha),
+            cfg.negative_feedback_margin,
+        ),
+        (
+            "error_rate",
+            rate_difference_cs(&c.errors, &s.errors, alpha),
+            cfg.error_rate_margin,
+        ),
+        (
+            "latency_ms",
+            mean_difference_cs(&c.latency_ms, &s.latency_ms, alpha),
+            cfg.latency_margin_ms,
+        ),
+    ] {
         let v = guard_verdict(diff, margin, Direction::HigherIsWorse);
-        guards.insert(
+        out.insert(
             name.to_string(),
             json!({"canary_minus_stable": interval_json(diff), "margin": margin, "verdict": format!("{v:?}")}),
         );
@@ -101,32 +170,20 @@ pub fn decide(
                 diff.lo, diff.hi
             ));
         }
-    };
-    check(
-        "negative_feedback",
-        rate_difference_cs(&c.negative, &s.negative, alpha),
-        cfg.negative_feedback_margin,
-    );
-    check(
-        "error_rate",
-        rate_difference_cs(&c.errors, &s.errors, alpha),
-        cfg.error_rate_margin,
-    );
-    check(
-        "latency_ms",
-        mean_difference_cs(&c.latency_ms, &s.latency_ms, alpha),
-        cfg.latency_margin_ms,
-    );
+    }
+    harm
+}
+
+/// The behaviour-drift alarms: answer length and tool calls per turn outside their ratio band,
+/// and empty or unparseable answers above stable's rate by the margin; returns those that fired.
+fn drift_tests(
+    cfg: &RolloutConfig,
+    c: &ArmMetrics,
+    s: &ArmMetrics,
+    alpha: Alpha,
+    out: &mut serde_json::Map<String, Value>,
+) -> Vec<String> {
     let mut drift = Vec::new();
-    let mut drift_check = |name: &str, v: DriftVerdict, detail: Value| {
-        guards.insert(
-            name.to_string(),
-            json!({"detail": detail, "verdict": format!("{v:?}")}),
-        );
-        if v == DriftVerdict::Drift {
-            drift.push(name.to_string());
-        }
-    };
     for (name, ratio, ca, sa) in [
         (
             "length_tokens",
@@ -144,40 +201,40 @@ pub fn decide(
         let v = DriftBand::new(ratio, DriftSides::Both)
             .map(|b| b.verdict_for_arms(ca, sa, alpha))
             .unwrap_or(DriftVerdict::Undecided);
-        drift_check(
-            name,
-            v,
-            json!({"ratio": ratio, "canary_mean": ca.mean(), "stable_mean": sa.mean()}),
+        out.insert(
+            name.to_string(),
+            json!({"ratio": ratio, "canary_mean": ca.mean(), "stable_mean": sa.mean(), "verdict": format!("{v:?}")}),
         );
+        if v == DriftVerdict::Drift {
+            drift.push(name.to_string());
+        }
     }
     let empty = rate_difference_cs(&c.empty, &s.empty, alpha);
-    let empty_v = guard_verdict(empty, cfg.empty_rate_margin, Direction::HigherIsWorse);
-    drift_check(
-        "empty_answers",
-        if empty_v == Verdict::Harm {
-            DriftVerdict::Drift
-        } else {
-            DriftVerdict::Undecided
-        },
-        json!({"canary_minus_stable": interval_json(empty), "margin": cfg.empty_rate_margin}),
+    let v = guard_verdict(empty, cfg.empty_rate_margin, Direction::HigherIsWorse);
+    let v = if v == Verdict::Harm {
+        DriftVerdict::Drift
+    } else {
+        DriftVerdict::Undecided
+    };
+    out.insert(
+        "empty_answers".into(),
+        json!({"canary_minus_stable": interval_json(empty), "margin": cfg.empty_rate_margin, "verdict": format!("{v:?}")}),
     );
-    let stats = json!({
-        "stage": rollout.stage, "weight": rollout.weight,
-        "canary": c.summary(), "stable": s.summary(), "guards": guards,
-    });
-    if !harm.is_empty() {
-        return (
-            Decision::Rollback(format!("harm: {}", harm.join("; "))),
-            stats,
-        );
+    if v == DriftVerdict::Drift {
+        drift.push("empty_answers".into());
     }
-    if !drift.is_empty() {
-        let why = format!("behaviour drift: {}", drift.join(", "));
-        return match cfg.on_drift {
-            DriftPolicy::Freeze => (Decision::Freeze(why), stats),
-            DriftPolicy::Rollback => (Decision::Rollback(why), stats),
-        };
-    }
+    drift
+}
+
+/// What the current stage still waits for: its minimum time, and per arm its minimum
+/// exposures and matured feedback counted since the stage began.
+fn stage_waits(
+    cfg: &RolloutConfig,
+    rollout: &Rollout,
+    (c, s): (&ArmMetrics, &ArmMetrics),
+    base: StageBase,
+    now_ms: i64,
+) -> Vec<String> {
     let mut waiting = Vec::new();
     let in_stage_ms = now_ms - rollout.stage_started_ms;
     if in_stage_ms < cfg.min_stage_ms as i64 {
@@ -205,29 +262,7 @@ pub fn decide(
             ));
         }
     }
-    if waiting.is_empty() {
-        let next = rollout
-            .stages
-            .get(rollout.stage + 1)
-            .copied()
-            .unwrap_or(1.0);
-        let what = if next >= 1.0 {
-            "promote".to_string()
-        } else {
-            format!("advance to {}", rollout.stages[rollout.stage + 1])
-        };
-        (
-            Decision::Advance(format!(
-                "{what}: stage minimums met, no guard or drift alarm"
-            )),
-            stats,
-        )
-    } else {
-        (
-            Decision::Wait(format!("waiting for {}", waiting.join(", "))),
-            stats,
-        )
-    }
+    waiting
 }
 
 /// The controller process.

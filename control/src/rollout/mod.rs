@@ -4,6 +4,8 @@
 //! assignment) is the `hindsight-routing` crate, which the proxy shares without pulling in
 //! the rest of the control plane.
 
+pub mod admin;
+pub mod commands;
 pub mod config;
 pub mod controller;
 pub mod lineage;

@@ -490,8 +490,7 @@ impl Run<'_> {
         };
         let made = candidate(
             reg,
-            self.publish,
-            self.routing,
+            (self.publish, self.routing),
             tr,
             &mut self.state,
             cfg,

@@ -48,8 +48,10 @@ pub(super) async fn checkpoint(
 /// Registers the current policy as a candidate and publishes it when configured.
 pub(super) async fn candidate(
     reg: &Registry,
-    publish: Option<&PublishConfig>,
-    routing: Option<&hindsight_routing::RoutingConfig>,
+    (publish, routing): (
+        Option<&PublishConfig>,
+        Option<&hindsight_routing::RoutingConfig>,
+    ),
     tr: &Trainer,
     state: &mut LoopState,
     cfg: &LearnerConfig,
