@@ -7,14 +7,16 @@
 #   hindsight serve (the model, OpenAI-compatible, :8000)
 #   hindsight proxy (:8080, admin :9464, feedback API at /hindsight/v1/feedback, signed)
 #   hindsight join  (interactions x feedback -> hindsight.episodes)
-#   hindsight learner (episodes -> LoRA training -> candidate -> eval gate -> live in serve)
+#   hindsight learner (episodes -> LoRA training -> candidate -> eval gate -> canary)
+#   hindsight rollout run (the controller: canary stages on live traffic -> promote or roll back)
 #   the simulated support environment (tickets as traffic through the proxy, a simulated user
 #   sending signed feedback)
 #
 # It sends one chat request through the proxy with signed feedback and prints its records from
-# hindsight.interactions and hindsight.episodes, then lets the environment drive traffic while
-# the learner trains, showing training steps and every candidate adapter as it passes (or
-# fails) the eval gate and goes live. Everything keeps running until Ctrl-C.
+# hindsight.interactions and hindsight.episodes, then lets the environment drive traffic (to the
+# route `support`, which the proxy sends to the stable or the canary version) while the learner
+# trains, showing training steps, every candidate adapter as it passes (or fails) the eval gate,
+# and its canary rollout advancing (or rolled back) stage by stage. Runs until Ctrl-C.
 # Logs: .hindsight/logs/. HINDSIGHT_UP_EXIT=1 stops after the first gated candidate.
 # HINDSIGHT_UP_FRESH=1 starts the learner from scratch (drops .hindsight/learner and adapters).
 set -euo pipefail
@@ -59,7 +61,7 @@ wait_http() { # url name seconds
 pretty() { python3 -c 'import json,sys; l=json.dumps(json.loads(sys.argv[1]),indent=2).splitlines(); n=int(sys.argv[2]); print("\n".join(l[:n])+("\n  ..." if len(l)>n else ""))' "$1" "$2"; }
 
 port_free() { ! ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
-for p in 8000 8080 9464; do port_free "$p" || die "port $p is in use (an earlier run still going?)"; done
+for p in 8000 8080 9464 9465 9466; do port_free "$p" || die "port $p is in use (an earlier run still going?)"; done
 
 say "4/7 hindsight serve on :8000 ($MODEL)"
 "$BIN" serve --model "$MODEL" --served-model-name SmolLM2-135M-Instruct --listen 127.0.0.1:8000 >.hindsight/logs/serve.log 2>&1 &
@@ -67,7 +69,11 @@ PIDS+=($!)
 wait_http http://127.0.0.1:8000/v1/models "hindsight serve" 120
 
 say "5/7 hindsight proxy on :8080 and the joiner"
+# The route `support`: clients send `model: "support"`; until a canary exists it is the base
+# model (this fallback), then whatever the routing table in Redis says.
 HINDSIGHT_FEEDBACK__SIGNING__SECRETS="[\"$SECRET\"]" \
+HINDSIGHT_ROUTING__KEY_PREFIX="hindsight:up:routing" \
+HINDSIGHT_ROUTING__ROUTES='[{model = "support", stable = "SmolLM2-135M-Instruct"}]' \
   "$BIN" proxy --upstream http://127.0.0.1:8000 --listen 127.0.0.1:8080 --admin 127.0.0.1:9464 \
   --spill-dir .hindsight/spill >.hindsight/logs/proxy.log 2>&1 &
 PIDS+=($!)
@@ -138,7 +144,11 @@ key_prefix = "hindsight:up:registry"
 adapter_dir = ".hindsight/adapters"
 [publish]
 endpoints = ["http://127.0.0.1:8000/v1"]
-promote = true
+# Accepted candidates go to the rollout controller as canaries on the route `support`.
+rollout = "canary"
+route = "$ADAPTER"
+[routing]
+key_prefix = "hindsight:up:routing"
 [publish.gate]
 eval_set = ".hindsight/eval.jsonl"
 margin = 0.05
@@ -148,15 +158,32 @@ TOML
 LEARNER_PID=$!
 PIDS+=($LEARNER_PID)
 
-# Traffic: rounds of support tickets through the proxy, answered by the live adapter once
-# there is one (the base model before), each judged by the simulated user after a second.
+# The rollout controller, with demo-sized stages (production defaults: deploy/hindsight.example.toml).
+cat >.hindsight/rollout.toml <<TOML
+# Written by deploy/up.sh. Reference: control/README.md.
+[routing]
+key_prefix = "hindsight:up:routing"
+[registry]
+redis_url = "redis://127.0.0.1:${REDIS_PORT:-6379}/"
+key_prefix = "hindsight:up:registry"
+[rollout]
+stages = [0.25, 0.5, 1.0]
+min_stage_ms = 30000
+min_exposures = 8
+min_matured_feedback = 4
+maturation_ms = 5000
+admin_addr = "127.0.0.1:9466"
+TOML
+"$BIN" rollout -c .hindsight/rollout.toml run >.hindsight/logs/rollout.log 2>&1 &
+PIDS+=($!)
+
+# Traffic: rounds of support tickets through the proxy to the route `support` (the base model,
+# then the stable and canary adapter versions), each judged by the simulated user after a second.
 (
   first=0
   while true; do
-    model=SmolLM2-135M-Instruct
-    curl -fsS http://127.0.0.1:8000/v1/models 2>/dev/null | grep -q "\"id\":\"$ADAPTER\"" && model=$ADAPTER
     HINDSIGHT_FEEDBACK_SECRET="$SECRET" "$SIM_BIN" run --agent http://127.0.0.1:8080/v1 \
-      --model "$model" --episodes 8 --first-episode "$first" --critique-style rule-and-value \
+      --model "$ADAPTER" --episodes 8 --first-episode "$first" --critique-style rule-and-value \
       --run-id "up-$(date +%s)" || true
     first=$((first + 8))
   done
@@ -165,17 +192,22 @@ PIDS+=($!)
 
 say "watching the learner (.hindsight/logs/learner.log); the first candidate comes after ${HINDSIGHT_UP_CANDIDATE_EVERY:-16} trained examples"
 seen_candidates=0
-shown=0
+declare -A shown=([learner]=0 [rollout]=0)
+PATTERN="Trained a micro-batch|Candidate (registered|published)|Publishing failed|handed to the rollout|Rollout decision|ERROR"
 while kill -0 "$LEARNER_PID" 2>/dev/null; do
   sleep 5
-  grep -E "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null \
-    | tail -n +$((shown + 1)) | sed -E 's/\x1b\[[0-9;]*m//g; s/^[^ ]+ +(INFO|WARN|ERROR) [a-z_:]+: //' || true
-  shown=$(grep -cE "Trained a micro-batch|Candidate (registered|published)|Publishing failed|ERROR" .hindsight/logs/learner.log 2>/dev/null || true)
+  for log in learner rollout; do
+    grep -E "$PATTERN" ".hindsight/logs/$log.log" 2>/dev/null \
+      | tail -n +$((shown[$log] + 1)) | sed -E 's/\x1b\[[0-9;]*m//g; s/^[^ ]+ +(INFO|WARN|ERROR) [a-z_:]+: //' || true
+    shown[$log]=$(grep -cE "$PATTERN" ".hindsight/logs/$log.log" 2>/dev/null || true)
+  done
   published=$(grep -c "Candidate published" .hindsight/logs/learner.log 2>/dev/null || true)
   if [ "$published" -gt "$seen_candidates" ]; then
     seen_candidates=$published
     say "adapter registry (hindsight adapters list)"
     "$BIN" adapters list --key-prefix hindsight:up:registry || true
+    say "rollouts (hindsight rollout status)"
+    "$BIN" rollout -c .hindsight/rollout.toml status || true
     [ -n "${HINDSIGHT_UP_EXIT:-}" ] && exit 0
   fi
 done
