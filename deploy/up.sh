@@ -144,7 +144,7 @@ key_prefix = "hindsight:up:registry"
 adapter_dir = ".hindsight/adapters"
 [publish]
 endpoints = ["http://127.0.0.1:8000/v1"]
-# Accepted candidates go to the rollout controller as canaries on the route `support`.
+# Accepted candidates go to the rollout controller as canaries on the route support.
 rollout = "canary"
 route = "$ADAPTER"
 [routing]
@@ -174,7 +174,8 @@ min_matured_feedback = 4
 maturation_ms = 5000
 admin_addr = "127.0.0.1:9466"
 TOML
-"$BIN" rollout -c .hindsight/rollout.toml run >.hindsight/logs/rollout.log 2>&1 &
+HINDSIGHT_ROLLOUT__ADMIN_TOKEN="${HINDSIGHT_ADMIN_TOKEN:-local-demo-admin-token}" \
+  "$BIN" rollout -c .hindsight/rollout.toml run >.hindsight/logs/rollout.log 2>&1 &
 PIDS+=($!)
 
 # Traffic: rounds of support tickets through the proxy to the route `support` (the base model,

@@ -452,6 +452,50 @@ async fn a_redis_outage_costs_no_request_and_the_proxy_catches_up() {
         after.iter().all(|(s, v)| *s == 200 && v == "support@1"),
         "kill did not send everyone to stable"
     );
+    // A malformed entry written behind the control plane's back: counted, logged, ignored; the
+    // proxy keeps the last good route.
+    let mut conn = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(format!("{prefix}:table"))
+        .arg("support")
+        .arg("{not json")
+        .query_async(&mut conn)
+        .await
+        .map(|_: i64| ())
+        .unwrap();
+    let _: () = redis::cmd("PUBLISH")
+        .arg(format!("{prefix}:changes"))
+        .arg("support")
+        .query_async(&mut conn)
+        .await
+        .map(|_: i64| ())
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        p.generation(&client).await,
+        route.generation,
+        "the proxy dropped its last good route"
+    );
+    assert!(futures_join(&p, &client, 20)
+        .await
+        .iter()
+        .all(|(s, v)| *s == 200 && v == "support@1"));
+    let metrics = client
+        .get(format!("http://127.0.0.1:{}/metrics", p.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("hindsight_routing_invalid_entries_total"),
+        "{metrics}"
+    );
 }
 
 async fn futures_join(p: &Proxy, client: &reqwest::Client, n: usize) -> Vec<(u16, String)> {
