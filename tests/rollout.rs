@@ -56,6 +56,10 @@ impl Redis {
                 "",
                 "--appendonly",
                 "yes",
+                // Every write on disk before Redis answers: a SIGKILL loses no decision. (The
+                // control plane's Redis wants the same in production: control/README.md.)
+                "--appendfsync",
+                "always",
             ])
             .arg("--dir")
             .arg(dir.path())
@@ -927,4 +931,145 @@ eval_interval_ms = 200
     feedback_log.shutdown(Duration::from_secs(5)).await;
     let _ = controller.kill();
     let _ = controller.wait();
+}
+
+async fn audit_handle(topics: &str) -> (hindsight_feedback::RecordLog, hindsight_feedback::LogHandle) {
+    let log = LogConfig {
+        brokers: brokers(),
+        topic_prefix: topics.to_string(),
+        spill_dir: tempfile::tempdir().unwrap().keep(),
+        ..LogConfig::default()
+    }
+    .validate()
+    .unwrap();
+    rollout::controller::audit_log(log).await.unwrap()
+}
+
+/// A new candidate while a canary runs: queued (it starts when the running one ends), or, with
+/// `on_new_candidate = "supersede"`, the running canary is rolled back and the new one started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_candidate_waits_in_the_queue_or_supersedes_the_running_canary() {
+    use hindsight_control::rollout::commands::{self, Actor, Command, Outcome};
+    use hindsight_control::rollout::CandidatePolicy;
+    for policy in [CandidatePolicy::Queue, CandidatePolicy::Supersede] {
+        let redis = Redis::start();
+        let prefix = format!("hindsight:test:{}", uuid::Uuid::now_v7().simple());
+        let topics = format!("test-{}", uuid::Uuid::now_v7().simple());
+        let s = store(&redis.url(), &prefix);
+        let cfg = RolloutConfig {
+            on_new_candidate: policy,
+            ..RolloutConfig::default()
+        };
+        let actor = Actor { by: "operator:test", reason: "", generation: None };
+        commands::run(&s, None, &cfg, "support", &actor, Command::SetStable { version: "support@1".into() }).await.unwrap();
+        let start = |v: &str| Command::Start { version: v.into(), stages: None, policy: None, endpoints: vec![] };
+        commands::run(&s, None, &cfg, "support", &actor, start("support@2")).await.unwrap();
+        // The learner's hand-over: the candidate goes into the route's queue slot.
+        rollout::queue::enqueue(&s, "support", "support@3").await.unwrap();
+        let (audit_log, handle) = audit_handle(&topics).await;
+        let mut controller = Controller::new(cfg.clone(), store(&redis.url(), &prefix), handle).unwrap();
+        controller.tick().await.unwrap();
+        let r = s.get("support").await.unwrap().unwrap().rollout.unwrap();
+        match policy {
+            CandidatePolicy::Queue => {
+                assert_eq!((r.canary.as_str(), r.state.as_str()), ("support@2", "running"), "a queued candidate displaced the running canary");
+                // An operator's `start` while it runs is queued too, not refused.
+                let out = commands::run(&s, None, &cfg, "support", &actor, start("support@4")).await.unwrap();
+                assert!(matches!(out, Outcome::Queued { ref version, .. } if version == "support@4"), "{out:?}");
+                commands::run(&s, None, &cfg, "support", &actor, Command::Rollback).await.unwrap();
+                controller.tick().await.unwrap();
+                let r = s.get("support").await.unwrap().unwrap().rollout.unwrap();
+                assert_eq!((r.canary.as_str(), r.state.as_str()), ("support@4", "running"), "the newest queued candidate starts when the rollout ends");
+            }
+            CandidatePolicy::Supersede => {
+                assert_eq!((r.canary.as_str(), r.state.as_str()), ("support@2", "rolled_back"));
+                controller.tick().await.unwrap();
+                let r = s.get("support").await.unwrap().unwrap().rollout.unwrap();
+                assert_eq!((r.canary.as_str(), r.state.as_str()), ("support@3", "running"));
+                let trail = s.audit("support", 10).await.unwrap();
+                assert!(trail.iter().any(|a| a.action == "rollback" && a.reason.contains("superseded by the newer candidate support@3")), "{trail:#?}");
+            }
+        }
+        audit_log.shutdown(Duration::from_secs(5)).await;
+    }
+}
+
+/// Redis SIGKILLed in the middle of a rollout: the controller's decisions wait and resume
+/// (nothing is lost: the table, its audit trail and the rollout's progress survive), and the
+/// rollout still ends promoted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_kill_during_a_rollout_loses_no_decision() {
+    let redis = Redis::start();
+    let prefix = format!("hindsight:test:{}", uuid::Uuid::now_v7().simple());
+    let topics = format!("test-{}", uuid::Uuid::now_v7().simple());
+    let upstream = start_upstream("good").await;
+    let p = Proxy::start(upstream, &redis.url(), &prefix, &topics);
+    let s = store(&redis.url(), &prefix);
+    let client = reqwest::Client::new();
+    rollout::execute(&s, &req("test", "init"), &Op::SetStable { stable: "support@1".into() }).await.unwrap();
+    let cfg = RolloutConfig {
+        stages: vec![0.2, 0.4, 0.6, 1.0],
+        min_stage_ms: 0,
+        min_exposures: 15,
+        min_matured_feedback: 10,
+        maturation_ms: 0,
+        ..RolloutConfig::default()
+    };
+    rollout::execute(&s, &req("operator:test", "start"), &Op::Start { canary: "support@2".into(), stages: cfg.stages.clone(), rollout_id: None }).await.unwrap();
+    let (audit_log, handle) = audit_handle(&topics).await;
+    let mut controller = Controller::new(cfg, store(&redis.url(), &prefix), handle).unwrap();
+    let log = LogConfig { brokers: brokers(), topic_prefix: topics.clone(), spill_dir: tempfile::tempdir().unwrap().keep(), ..LogConfig::default() }.validate().unwrap();
+    let reader = hindsight_feedback::TopicReader::new(&log, &format!("t-{}", uuid::Uuid::now_v7()), &[Topic::Interactions]).unwrap();
+    let mut redis = Some(redis);
+    let mut killed: Option<(u16, tempfile::TempDir)> = None;
+    let mut tick_errors = 0;
+    let mut state = String::new();
+    for round in 0..80 {
+        for i in 0..20 {
+            let (status, _) = p.call(&client, &format!("r{round}-u{i}")).await;
+            assert_eq!(status, 200, "a client error");
+        }
+        while let Ok(Some(rec)) = reader.recv_timeout(Duration::from_millis(300)).await {
+            controller.observe(Topic::Interactions, &rec.payload);
+            let ir: hindsight_feedback::InteractionRecord = rec.decode().unwrap();
+            let fb = FeedbackRecord {
+                schema: FEEDBACK_SCHEMA.into(), feedback_id: uuid::Uuid::now_v7(),
+                target: FeedbackTarget::Interaction(ir.interaction_id), value: FeedbackValue::Thumbs(true),
+                metric: None, source: None, rater: None, tags: vec![], retracts: None,
+                event_time_ms: hindsight_feedback::now_ms(),
+            };
+            controller.observe(Topic::Feedback, &serde_json::to_vec(&fb).unwrap());
+        }
+        // Kill Redis once the rollout is past its first stage; bring it back two rounds later.
+        let stage = if redis.is_some() { s.get("support").await.unwrap().unwrap().rollout.unwrap().stage } else { 0 };
+        if stage >= 1 && killed.is_none() && redis.is_some() {
+            killed = Some(redis.take().unwrap().kill());
+            println!("redis killed at stage {stage}");
+        } else if let (Some(_), None) = (&killed, &redis) {
+            if tick_errors >= 2 {
+                let (port, dir) = killed.take().unwrap();
+                redis = Some(Redis::start_on(port, dir));
+                println!("redis back after {tick_errors} failed ticks");
+                killed = Some((0, tempfile::tempdir().unwrap())); // only once
+            }
+        }
+        match tokio::time::timeout(Duration::from_secs(5), controller.tick()).await {
+            Ok(Ok(())) => {}
+            _ => tick_errors += 1,
+        }
+        if let Some(r) = &redis {
+            let _ = r;
+            state = s.get("support").await.unwrap().unwrap().rollout.unwrap().state.to_string();
+            if state == "promoted" {
+                break;
+            }
+        }
+    }
+    audit_log.shutdown(Duration::from_secs(5)).await;
+    assert!(tick_errors >= 2, "Redis was never away for the controller");
+    assert_eq!(state, "promoted");
+    let trail = s.audit("support", 100).await.unwrap();
+    let actions: Vec<&str> = trail.iter().rev().map(|a| a.action.as_str()).collect();
+    println!("audit after the Redis kill: {actions:?}");
+    assert_eq!(actions, ["set_stable", "start", "advance", "advance", "advance"], "a decision was lost or repeated");
 }
