@@ -94,8 +94,10 @@ impl Drop for Redis {
     }
 }
 
-/// The mock upstream: `support@1` answers a long, tool-calling answer; `support@2` (the
-/// canary) answers per `canary_mode`; anything else echoes its model.
+/// The mock upstream: `support@1` answers a dozen words (calling a tool first in `notools`
+/// mode); `support@2` (the canary) answers per `canary_mode` (`error`: 500s, `short`: one word,
+/// `notools`: the same words without the tool call, `good`: like stable); anything else
+/// echoes its model.
 async fn start_upstream(canary_mode: &'static str) -> SocketAddr {
     let app = Router::new().route(
         "/v1/chat/completions",
@@ -110,8 +112,14 @@ async fn start_upstream(canary_mode: &'static str) -> SocketAddr {
                 }
                 _ => (200, "other"),
             };
+            // In `notools` mode the stable version looks an order up with a tool before
+            // answering; the canary answers the same words without it.
+            let mut message = json!({"role": "assistant", "content": content});
+            if canary_mode == "notools" && model == "support@1" {
+                message["tool_calls"] = json!([{"id": "c1", "type": "function", "function": {"name": "lookup_order", "arguments": "{}"}}]);
+            }
             let body = json!({"id": "x", "object": "chat.completion", "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]});
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]});
             (
                 axum::http::StatusCode::from_u16(status).unwrap(),
                 [("content-type", "application/json")],
@@ -570,13 +578,15 @@ async fn concurrent_writers_lose_no_update() {
 
 /// The controller on simulated traffic through a proxy process: a harmful canary (errors and
 /// complaints) is rolled back by itself; a good one is promoted through every stage; a canary
-/// whose answers are much shorter freezes on the drift alarm though its feedback is fine.
+/// whose answers are much shorter, or that stops calling tools, freezes on the drift alarm
+/// though its feedback is fine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_controller_rolls_back_harm_promotes_good_and_freezes_on_drift() {
     for (mode, expect) in [
         ("error", "rolled_back"),
         ("good", "promoted"),
         ("short", "frozen"),
+        ("notools", "frozen"),
     ] {
         let redis = Redis::start();
         let prefix = format!("hindsight:test:{}", uuid::Uuid::now_v7().simple());
@@ -597,12 +607,13 @@ async fn the_controller_rolls_back_harm_promotes_good_and_freezes_on_drift() {
         let cfg = RolloutConfig {
             stages: vec![0.2, 0.5, 1.0],
             min_stage_ms: 0,
-            min_exposures: 30,
+            min_exposures: 50,
             min_matured_feedback: 20,
             maturation_ms: 0,
             length_ratio: 1.5,
             // Answers here are a dozen words; a tight honest bound keeps the drift test quick.
-            length_bound_tokens: 32.0,
+            length_bound_tokens: 16.0,
+            tool_calls_bound: 2.0,
             ..RolloutConfig::default()
         };
         cfg.validate().unwrap();
@@ -933,7 +944,9 @@ eval_interval_ms = 200
     let _ = controller.wait();
 }
 
-async fn audit_handle(topics: &str) -> (hindsight_feedback::RecordLog, hindsight_feedback::LogHandle) {
+async fn audit_handle(
+    topics: &str,
+) -> (hindsight_feedback::RecordLog, hindsight_feedback::LogHandle) {
     let log = LogConfig {
         brokers: brokers(),
         topic_prefix: topics.to_string(),
@@ -960,34 +973,85 @@ async fn a_new_candidate_waits_in_the_queue_or_supersedes_the_running_canary() {
             on_new_candidate: policy,
             ..RolloutConfig::default()
         };
-        let actor = Actor { by: "operator:test", reason: "", generation: None };
-        commands::run(&s, None, &cfg, "support", &actor, Command::SetStable { version: "support@1".into() }).await.unwrap();
-        let start = |v: &str| Command::Start { version: v.into(), stages: None, policy: None, endpoints: vec![] };
-        commands::run(&s, None, &cfg, "support", &actor, start("support@2")).await.unwrap();
+        let actor = Actor {
+            by: "operator:test",
+            reason: "",
+            generation: None,
+        };
+        commands::run(
+            &s,
+            None,
+            &cfg,
+            "support",
+            &actor,
+            Command::SetStable {
+                version: "support@1".into(),
+            },
+        )
+        .await
+        .unwrap();
+        let start = |v: &str| Command::Start {
+            version: v.into(),
+            stages: None,
+            policy: None,
+            endpoints: vec![],
+        };
+        commands::run(&s, None, &cfg, "support", &actor, start("support@2"))
+            .await
+            .unwrap();
         // The learner's hand-over: the candidate goes into the route's queue slot.
-        rollout::queue::enqueue(&s, "support", "support@3").await.unwrap();
+        rollout::queue::enqueue(&s, "support", "support@3")
+            .await
+            .unwrap();
         let (audit_log, handle) = audit_handle(&topics).await;
-        let mut controller = Controller::new(cfg.clone(), store(&redis.url(), &prefix), handle).unwrap();
+        let mut controller =
+            Controller::new(cfg.clone(), store(&redis.url(), &prefix), handle).unwrap();
         controller.tick().await.unwrap();
         let r = s.get("support").await.unwrap().unwrap().rollout.unwrap();
         match policy {
             CandidatePolicy::Queue => {
-                assert_eq!((r.canary.as_str(), r.state.as_str()), ("support@2", "running"), "a queued candidate displaced the running canary");
+                assert_eq!(
+                    (r.canary.as_str(), r.state.as_str()),
+                    ("support@2", "running"),
+                    "a queued candidate displaced the running canary"
+                );
                 // An operator's `start` while it runs is queued too, not refused.
-                let out = commands::run(&s, None, &cfg, "support", &actor, start("support@4")).await.unwrap();
-                assert!(matches!(out, Outcome::Queued { ref version, .. } if version == "support@4"), "{out:?}");
-                commands::run(&s, None, &cfg, "support", &actor, Command::Rollback).await.unwrap();
+                let out = commands::run(&s, None, &cfg, "support", &actor, start("support@4"))
+                    .await
+                    .unwrap();
+                assert!(
+                    matches!(out, Outcome::Queued { ref version, .. } if version == "support@4"),
+                    "{out:?}"
+                );
+                commands::run(&s, None, &cfg, "support", &actor, Command::Rollback)
+                    .await
+                    .unwrap();
                 controller.tick().await.unwrap();
                 let r = s.get("support").await.unwrap().unwrap().rollout.unwrap();
-                assert_eq!((r.canary.as_str(), r.state.as_str()), ("support@4", "running"), "the newest queued candidate starts when the rollout ends");
+                assert_eq!(
+                    (r.canary.as_str(), r.state.as_str()),
+                    ("support@4", "running"),
+                    "the newest queued candidate starts when the rollout ends"
+                );
             }
             CandidatePolicy::Supersede => {
-                assert_eq!((r.canary.as_str(), r.state.as_str()), ("support@2", "rolled_back"));
+                assert_eq!(
+                    (r.canary.as_str(), r.state.as_str()),
+                    ("support@2", "rolled_back")
+                );
                 controller.tick().await.unwrap();
                 let r = s.get("support").await.unwrap().unwrap().rollout.unwrap();
-                assert_eq!((r.canary.as_str(), r.state.as_str()), ("support@3", "running"));
+                assert_eq!(
+                    (r.canary.as_str(), r.state.as_str()),
+                    ("support@3", "running")
+                );
                 let trail = s.audit("support", 10).await.unwrap();
-                assert!(trail.iter().any(|a| a.action == "rollback" && a.reason.contains("superseded by the newer candidate support@3")), "{trail:#?}");
+                assert!(
+                    trail.iter().any(|a| a.action == "rollback"
+                        && a.reason
+                            .contains("superseded by the newer candidate support@3")),
+                    "{trail:#?}"
+                );
             }
         }
         audit_log.shutdown(Duration::from_secs(5)).await;
@@ -1006,7 +1070,15 @@ async fn a_redis_kill_during_a_rollout_loses_no_decision() {
     let p = Proxy::start(upstream, &redis.url(), &prefix, &topics);
     let s = store(&redis.url(), &prefix);
     let client = reqwest::Client::new();
-    rollout::execute(&s, &req("test", "init"), &Op::SetStable { stable: "support@1".into() }).await.unwrap();
+    rollout::execute(
+        &s,
+        &req("test", "init"),
+        &Op::SetStable {
+            stable: "support@1".into(),
+        },
+    )
+    .await
+    .unwrap();
     let cfg = RolloutConfig {
         stages: vec![0.2, 0.4, 0.6, 1.0],
         min_stage_ms: 0,
@@ -1015,11 +1087,33 @@ async fn a_redis_kill_during_a_rollout_loses_no_decision() {
         maturation_ms: 0,
         ..RolloutConfig::default()
     };
-    rollout::execute(&s, &req("operator:test", "start"), &Op::Start { canary: "support@2".into(), stages: cfg.stages.clone(), rollout_id: None }).await.unwrap();
+    rollout::execute(
+        &s,
+        &req("operator:test", "start"),
+        &Op::Start {
+            canary: "support@2".into(),
+            stages: cfg.stages.clone(),
+            rollout_id: None,
+        },
+    )
+    .await
+    .unwrap();
     let (audit_log, handle) = audit_handle(&topics).await;
     let mut controller = Controller::new(cfg, store(&redis.url(), &prefix), handle).unwrap();
-    let log = LogConfig { brokers: brokers(), topic_prefix: topics.clone(), spill_dir: tempfile::tempdir().unwrap().keep(), ..LogConfig::default() }.validate().unwrap();
-    let reader = hindsight_feedback::TopicReader::new(&log, &format!("t-{}", uuid::Uuid::now_v7()), &[Topic::Interactions]).unwrap();
+    let log = LogConfig {
+        brokers: brokers(),
+        topic_prefix: topics.clone(),
+        spill_dir: tempfile::tempdir().unwrap().keep(),
+        ..LogConfig::default()
+    }
+    .validate()
+    .unwrap();
+    let reader = hindsight_feedback::TopicReader::new(
+        &log,
+        &format!("t-{}", uuid::Uuid::now_v7()),
+        &[Topic::Interactions],
+    )
+    .unwrap();
     let mut redis = Some(redis);
     let mut killed: Option<(u16, tempfile::TempDir)> = None;
     let mut tick_errors = 0;
@@ -1033,15 +1127,31 @@ async fn a_redis_kill_during_a_rollout_loses_no_decision() {
             controller.observe(Topic::Interactions, &rec.payload);
             let ir: hindsight_feedback::InteractionRecord = rec.decode().unwrap();
             let fb = FeedbackRecord {
-                schema: FEEDBACK_SCHEMA.into(), feedback_id: uuid::Uuid::now_v7(),
-                target: FeedbackTarget::Interaction(ir.interaction_id), value: FeedbackValue::Thumbs(true),
-                metric: None, source: None, rater: None, tags: vec![], retracts: None,
+                schema: FEEDBACK_SCHEMA.into(),
+                feedback_id: uuid::Uuid::now_v7(),
+                target: FeedbackTarget::Interaction(ir.interaction_id),
+                value: FeedbackValue::Thumbs(true),
+                metric: None,
+                source: None,
+                rater: None,
+                tags: vec![],
+                retracts: None,
                 event_time_ms: hindsight_feedback::now_ms(),
             };
             controller.observe(Topic::Feedback, &serde_json::to_vec(&fb).unwrap());
         }
         // Kill Redis once the rollout is past its first stage; bring it back two rounds later.
-        let stage = if redis.is_some() { s.get("support").await.unwrap().unwrap().rollout.unwrap().stage } else { 0 };
+        let stage = if redis.is_some() {
+            s.get("support")
+                .await
+                .unwrap()
+                .unwrap()
+                .rollout
+                .unwrap()
+                .stage
+        } else {
+            0
+        };
         if stage >= 1 && killed.is_none() && redis.is_some() {
             killed = Some(redis.take().unwrap().kill());
             println!("redis killed at stage {stage}");
@@ -1059,7 +1169,15 @@ async fn a_redis_kill_during_a_rollout_loses_no_decision() {
         }
         if let Some(r) = &redis {
             let _ = r;
-            state = s.get("support").await.unwrap().unwrap().rollout.unwrap().state.to_string();
+            state = s
+                .get("support")
+                .await
+                .unwrap()
+                .unwrap()
+                .rollout
+                .unwrap()
+                .state
+                .to_string();
             if state == "promoted" {
                 break;
             }
@@ -1071,5 +1189,9 @@ async fn a_redis_kill_during_a_rollout_loses_no_decision() {
     let trail = s.audit("support", 100).await.unwrap();
     let actions: Vec<&str> = trail.iter().rev().map(|a| a.action.as_str()).collect();
     println!("audit after the Redis kill: {actions:?}");
-    assert_eq!(actions, ["set_stable", "start", "advance", "advance", "advance"], "a decision was lost or repeated");
+    assert_eq!(
+        actions,
+        ["set_stable", "start", "advance", "advance", "advance"],
+        "a decision was lost or repeated"
+    );
 }

@@ -62,6 +62,12 @@ pub struct RolloutConfig {
     /// Latency bound for the test (set it to the upstream timeout), ms.
     #[serde(default = "default_latency_bound_ms")]
     pub latency_bound_ms: f64,
+    /// The tail-latency guard: a call slower than this is slow ...
+    #[serde(default = "default_slow_ms")]
+    pub slow_ms: f64,
+    /// ... and the canary's share of slow calls may exceed stable's by this margin.
+    #[serde(default = "default_slow_rate_margin")]
+    pub slow_rate_margin: f64,
     /// Drift alarm on empty or unparseable answers: canary rate above stable's by this.
     #[serde(default = "default_empty_rate_margin")]
     pub empty_rate_margin: f64,
@@ -77,6 +83,12 @@ pub struct RolloutConfig {
     /// Tool calls per turn bound for the test.
     #[serde(default = "default_tool_calls_bound")]
     pub tool_calls_bound: f64,
+    /// Drift alarm when turns per episode leave [stable / r, stable × r].
+    #[serde(default = "default_ratio")]
+    pub turns_ratio: f64,
+    /// Turns per episode bound for the test.
+    #[serde(default = "default_turns_bound")]
+    pub turns_bound: f64,
     /// What a drift alarm does.
     #[serde(default = "default_on_drift")]
     pub on_drift: DriftPolicy,
@@ -136,6 +148,15 @@ fn default_latency_margin_ms() -> f64 {
 fn default_latency_bound_ms() -> f64 {
     60_000.0
 }
+fn default_slow_ms() -> f64 {
+    5_000.0
+}
+fn default_slow_rate_margin() -> f64 {
+    0.01
+}
+fn default_turns_bound() -> f64 {
+    32.0
+}
 fn default_empty_rate_margin() -> f64 {
     0.02
 }
@@ -174,11 +195,15 @@ impl Default for RolloutConfig {
             error_rate_margin: default_error_rate_margin(),
             latency_margin_ms: default_latency_margin_ms(),
             latency_bound_ms: default_latency_bound_ms(),
+            slow_ms: default_slow_ms(),
+            slow_rate_margin: default_slow_rate_margin(),
             empty_rate_margin: default_empty_rate_margin(),
             length_ratio: default_ratio(),
             length_bound_tokens: default_length_bound_tokens(),
             tool_calls_ratio: default_ratio(),
             tool_calls_bound: default_tool_calls_bound(),
+            turns_ratio: default_ratio(),
+            turns_bound: default_turns_bound(),
             on_drift: default_on_drift(),
             on_new_candidate: default_on_new_candidate(),
             eval_interval_ms: default_eval_interval_ms(),
@@ -201,6 +226,7 @@ impl RolloutConfig {
             ("negative_feedback_margin", self.negative_feedback_margin),
             ("error_rate_margin", self.error_rate_margin),
             ("empty_rate_margin", self.empty_rate_margin),
+            ("slow_rate_margin", self.slow_rate_margin),
         ] {
             if !(v.is_finite() && (0.0..1.0).contains(&v)) {
                 return Err(bad(key, format!("{v} is outside [0, 1)")));
@@ -211,6 +237,8 @@ impl RolloutConfig {
             ("latency_bound_ms", self.latency_bound_ms),
             ("length_bound_tokens", self.length_bound_tokens),
             ("tool_calls_bound", self.tool_calls_bound),
+            ("turns_bound", self.turns_bound),
+            ("slow_ms", self.slow_ms),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(bad(key, format!("{v} must be a positive number")));
@@ -219,6 +247,7 @@ impl RolloutConfig {
         for (key, v) in [
             ("length_ratio", self.length_ratio),
             ("tool_calls_ratio", self.tool_calls_ratio),
+            ("turns_ratio", self.turns_ratio),
         ] {
             if !(v.is_finite() && v > 1.0) {
                 return Err(bad(key, format!("{v} must be greater than 1")));
@@ -245,6 +274,8 @@ impl RolloutConfig {
             latency_ms: self.latency_bound_ms,
             length_tokens: self.length_bound_tokens,
             tool_calls: self.tool_calls_bound,
+            turns: self.turns_bound,
+            slow_ms: self.slow_ms,
         }
     }
 }

@@ -158,6 +158,11 @@ fn guard_tests(
             mean_difference_cs(&c.latency_ms, &s.latency_ms, alpha),
             cfg.latency_margin_ms,
         ),
+        (
+            "slow_rate",
+            rate_difference_cs(&c.slow, &s.slow, alpha),
+            cfg.slow_rate_margin,
+        ),
     ] {
         let v = guard_verdict(diff, margin, Direction::HigherIsWorse);
         out.insert(
@@ -197,6 +202,7 @@ fn drift_tests(
             &c.tool_calls,
             &s.tool_calls,
         ),
+        ("turns_per_episode", cfg.turns_ratio, &c.turns, &s.turns),
     ] {
         let v = DriftBand::new(ratio, DriftSides::Both)
             .map(|b| b.verdict_for_arms(ca, sa, alpha))

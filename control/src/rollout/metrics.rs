@@ -28,6 +28,10 @@ pub struct MetricBounds {
     pub length_tokens: f64,
     /// Tool calls per turn upper bound.
     pub tool_calls: f64,
+    /// Turns per episode upper bound.
+    pub turns: f64,
+    /// A call slower than this counts as slow (the tail-latency guard).
+    pub slow_ms: f64,
 }
 
 /// One arm's metrics.
@@ -47,6 +51,10 @@ pub struct ArmMetrics {
     pub length_tokens: BoundedMeanArm,
     /// Tool calls per turn.
     pub tool_calls: BoundedMeanArm,
+    /// Turns per episode, counted when an episode has been quiet for the maturation time.
+    pub turns: BoundedMeanArm,
+    /// Calls slower than `slow_ms`, per exposure (the tail-latency guard).
+    pub slow: RateArm,
     /// Negative feedback (thumbs down or correction), per matured exposure.
     pub negative: RateArm,
     /// Matured exposures with any feedback at all.
@@ -67,7 +75,7 @@ pub struct ArmMetrics {
 const LATENCY_KEPT: usize = 4_096;
 
 impl ArmMetrics {
-    fn new(version: &str, templates: &[BoundedMeanArm; 3]) -> Self {
+    fn new(version: &str, templates: &[BoundedMeanArm; 4]) -> Self {
         Self {
             version: version.to_string(),
             exposures: 0,
@@ -76,6 +84,8 @@ impl ArmMetrics {
             latency_ms: templates[0],
             length_tokens: templates[1],
             tool_calls: templates[2],
+            turns: templates[3],
+            slow: RateArm::default(),
             negative: RateArm::default(),
             matured_with_feedback: 0,
             positive: 0,
@@ -124,6 +134,8 @@ impl ArmMetrics {
             "mean_latency_ms": self.latency_ms.mean(),
             "mean_length_tokens": self.length_tokens.mean(),
             "tool_calls_per_turn": self.tool_calls.mean(),
+            "turns_per_episode": self.turns.mean(),
+            "slow_rate": self.slow.rate(),
         })
     }
 }
@@ -152,7 +164,10 @@ pub struct ArmKey {
 
 /// Every arm's metrics, fed from the two topics.
 pub struct OnlineMetrics {
-    templates: [BoundedMeanArm; 3],
+    templates: [BoundedMeanArm; 4],
+    slow_ms: f64,
+    /// (arm, episode) → (turns, last exposure time) of episodes still open.
+    episodes: HashMap<(ArmKey, String), (u64, i64)>,
     maturation_ms: i64,
     arms: HashMap<ArmKey, ArmMetrics>,
     pending: HashMap<Uuid, Pending>,
@@ -168,9 +183,12 @@ impl OnlineMetrics {
             BoundedMeanArm::new(0.0, bounds.latency_ms)?,
             BoundedMeanArm::new(0.0, bounds.length_tokens)?,
             BoundedMeanArm::new(0.0, bounds.tool_calls)?,
+            BoundedMeanArm::new(0.0, bounds.turns)?,
         ];
         Ok(Self {
             templates,
+            slow_ms: bounds.slow_ms,
+            episodes: HashMap::new(),
             maturation_ms,
             arms: HashMap::new(),
             pending: HashMap::new(),
@@ -209,6 +227,13 @@ impl OnlineMetrics {
             rec.status >= 500 || rec.status == 0 || (rec.error.is_some() && rec.status >= 400);
         m.errors.record(failed);
         m.latency_ms.record(rec.timings.total_ms);
+        m.slow.record(rec.timings.total_ms > self.slow_ms);
+        let open = self
+            .episodes
+            .entry((key.clone(), rec.episode_id.clone()))
+            .or_insert((0, rec.event_time_ms));
+        open.0 += 1;
+        open.1 = open.1.max(rec.event_time_ms);
         if m.latencies.len() >= LATENCY_KEPT {
             m.latencies.remove(0);
         }
@@ -277,9 +302,22 @@ impl OnlineMetrics {
         }
     }
 
-    /// Moves every exposure older than the maturation time into its arm's feedback metrics.
+    /// Moves every exposure older than the maturation time into its arm's feedback metrics,
+    /// and counts the turns of every episode quiet for that long.
     pub fn mature(&mut self, now_ms: i64) {
         let cutoff = now_ms - self.maturation_ms;
+        let closed: Vec<(ArmKey, String)> = self
+            .episodes
+            .iter()
+            .filter(|(_, (_, last))| *last <= cutoff)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in closed {
+            if let (Some((turns, _)), Some(m)) = (self.episodes.remove(&k), self.arms.get_mut(&k.0))
+            {
+                m.turns.record(turns as f64);
+            }
+        }
         let ripe: Vec<Uuid> = self
             .pending
             .iter()
