@@ -2,14 +2,189 @@
 //! Base weights are plain tensors (frozen); trainable parameters live only in adapters.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Shape, Tensor, D};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::lora::{Adapter, AdapterSelection, LoraTarget};
 use crate::ops;
+
+// The submodule and parameter names of an HF Llama checkpoint. The constructors read weights
+// below these paths and `Model::visit` names them with the same paths, so loading, saving and
+// random initialisation agree on every name.
+const MODEL: &str = "model";
+const EMBED_TOKENS: &str = "embed_tokens";
+const LAYERS: &str = "layers";
+const NORM: &str = "norm";
+const LM_HEAD: &str = "lm_head";
+const INPUT_LAYERNORM: &str = "input_layernorm";
+const POST_ATTENTION_LAYERNORM: &str = "post_attention_layernorm";
+const WEIGHT: &str = "weight";
+const BIAS: &str = "bias";
+
+/// A path-scoped view of the base weights: candle's [`VarBuilder`] (`pp` descends into a
+/// submodule, `get` checks the shape and converts to the model's dtype and device), with errors
+/// that name the full checkpoint path of the missing or mis-shaped tensor.
+#[derive(Clone)]
+pub(crate) struct Weights<'a> {
+    vb: VarBuilder<'a>,
+}
+
+impl<'a> Weights<'a> {
+    /// Weights read from checkpoint-named tensors, converted to `dtype` on `device`.
+    pub(crate) fn from_tensors(
+        tensors: HashMap<String, Tensor>,
+        dtype: DType,
+        device: &Device,
+    ) -> Self {
+        Self {
+            vb: VarBuilder::from_tensors(tensors, dtype, device),
+        }
+    }
+
+    /// Weights drawn at random from each constructor's init hint (see [`RandomWeights`]).
+    fn random(seed: u64, dtype: DType, device: &Device) -> Self {
+        Self {
+            vb: VarBuilder::from_backend(Box::new(RandomWeights::new(seed)), dtype, device.clone()),
+        }
+    }
+
+    /// Paths only: holds no tensor, for naming the weights of a built model.
+    fn names() -> Self {
+        Self::from_tensors(HashMap::new(), DType::F32, &Device::Cpu)
+    }
+
+    /// The view of submodule `s` below this path.
+    pub(crate) fn pp(&self, s: impl ToString) -> Self {
+        Self { vb: self.vb.pp(s) }
+    }
+
+    /// The full checkpoint name of `name` below this path.
+    fn name(&self, name: &str) -> String {
+        match self.vb.prefix() {
+            p if p.is_empty() => name.to_string(),
+            p => [p.as_str(), name].join("."),
+        }
+    }
+
+    /// Whether the tensor `name` below this path exists.
+    fn contains(&self, name: &str) -> bool {
+        self.vb.contains_tensor(name)
+    }
+
+    /// The tensor `name` below this path, of shape `shape`, in the model's dtype and on its
+    /// device; `init` is how [`Model::random`] draws it.
+    fn get(&self, shape: impl Into<Shape>, name: &str, init: Init) -> Result<Tensor> {
+        let path = self.name(name);
+        let missing = || ModelError::InvalidModel(format!("missing tensor {path}"));
+        if !self.contains(name) {
+            return Err(missing());
+        }
+        self.vb
+            .get_with_hints(shape, name, init)
+            .map_err(|e| match innermost(&e) {
+                candle_core::Error::CannotFindTensor { .. } => missing(),
+                candle_core::Error::UnexpectedShape { expected, got, .. } => {
+                    ModelError::InvalidModel(format!(
+                        "{path} has shape {:?}, expected {:?}",
+                        got.dims(),
+                        expected.dims()
+                    ))
+                }
+                _ => ModelError::Candle(e),
+            })
+    }
+
+    fn dtype(&self) -> DType {
+        self.vb.dtype()
+    }
+
+    fn device(&self) -> &Device {
+        self.vb.device()
+    }
+}
+
+/// The error under candle's backtrace and context wrappers.
+fn innermost(e: &candle_core::Error) -> &candle_core::Error {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. }
+        | candle_core::Error::Context { inner, .. } => innermost(inner),
+        other => other,
+    }
+}
+
+/// A normal init hint; the parameters are `f32` so the drawn values match the `f32`
+/// arithmetic of [`RandomWeights`] exactly.
+fn randn(mean: f32, std: f32) -> Init {
+    Init::Randn {
+        mean: f64::from(mean),
+        stdev: f64::from(std),
+    }
+}
+
+/// A weight source that draws every tensor the constructors ask for from a seeded normal (the
+/// `Init::Randn` hint they pass), in the order they ask, f32 on the CPU before conversion:
+/// [`Model::random`]'s weights, reproducible across platforms.
+struct RandomWeights {
+    rng: Mutex<rand::rngs::StdRng>,
+}
+
+impl RandomWeights {
+    fn new(seed: u64) -> Self {
+        use rand::SeedableRng;
+        Self {
+            rng: Mutex::new(rand::rngs::StdRng::seed_from_u64(seed)),
+        }
+    }
+}
+
+impl SimpleBackend for RandomWeights {
+    fn get(
+        &self,
+        shape: Shape,
+        name: &str,
+        init: Init,
+        dtype: DType,
+        device: &Device,
+    ) -> candle_core::Result<Tensor> {
+        use rand::Rng;
+        let (mean, std) = match init {
+            Init::Randn { mean, stdev } => (mean as f32, stdev as f32),
+            Init::Const(c) => (c as f32, 0.0),
+            other => {
+                candle_core::bail!("{name}: random weights support normal inits, not {other:?}")
+            }
+        };
+        let mut rng = self
+            .rng
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("random weights: poisoned lock".into()))?;
+        // Box-Muller from the seeded RNG so weights are reproducible across platforms.
+        let v: Vec<f32> = (0..shape.elem_count())
+            .map(|_| {
+                let u1: f32 = rng.random::<f32>().max(1e-7);
+                let u2: f32 = rng.random::<f32>();
+                mean + std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)?
+            .to_device(device)?
+            .to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("{name}: random weights need a shape")
+    }
+
+    fn contains_tensor(&self, _: &str) -> bool {
+        true
+    }
+}
 
 /// A linear layer `x @ w^T + b` with `w` of shape `[out, in]`.
 #[derive(Debug, Clone)]
@@ -21,6 +196,27 @@ pub(crate) struct Linear {
 }
 
 impl Linear {
+    /// The projection `target` of a layer, from `vb` scoped to it
+    /// (`model.layers.{i}.self_attn.q_proj`).
+    pub(crate) fn new(cfg: &ModelConfig, target: LoraTarget, vb: Weights) -> Result<Self> {
+        let (out, inp) = target.shape(cfg);
+        let w = vb.get((out, inp), WEIGHT, randn(0.0, 1.0 / (inp as f32).sqrt()))?;
+        let b = if has_bias(cfg, target) {
+            Some(vb.get(out, BIAS, randn(0.0, 0.1))?)
+        } else {
+            None
+        };
+        Ok(Self { w, b, q: None })
+    }
+
+    /// Names this projection's tensors below `vb` (the path [`Linear::new`] read them from).
+    fn visit(&self, vb: &Weights, f: &mut dyn FnMut(String, &Tensor)) {
+        f(vb.name(WEIGHT), &self.w);
+        if let Some(b) = &self.b {
+            f(vb.name(BIAS), b);
+        }
+    }
+
     /// `x @ w^T + b`; the quantized copy serves inference when present.
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
         match (&self.q, train) {
@@ -36,6 +232,15 @@ impl Linear {
     }
 }
 
+/// Whether the configuration gives projection `t` a bias.
+fn has_bias(cfg: &ModelConfig, t: LoraTarget) -> bool {
+    match t {
+        LoraTarget::Q | LoraTarget::K | LoraTarget::V => cfg.qkv_bias,
+        LoraTarget::O => cfg.o_bias,
+        _ => false,
+    }
+}
+
 #[derive(Debug, Clone)]
 pub(crate) struct Layer {
     pub(crate) attn_norm: Tensor,
@@ -44,6 +249,40 @@ pub(crate) struct Layer {
 }
 
 impl Layer {
+    /// Decoder layer weights from `vb` scoped to the layer (`model.layers.{i}`).
+    pub(crate) fn new(cfg: &ModelConfig, vb: Weights) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let norm = randn(1.0, 0.1);
+        let attn_norm = vb.pp(INPUT_LAYERNORM).get(h, WEIGHT, norm)?;
+        let mlp_norm = vb.pp(POST_ATTENTION_LAYERNORM).get(h, WEIGHT, norm)?;
+        let mut proj = Vec::with_capacity(LoraTarget::ALL.len());
+        for t in LoraTarget::ALL {
+            proj.push(Linear::new(cfg, t, Self::proj_weights(&vb, t))?);
+        }
+        let proj: [Linear; 7] = proj
+            .try_into()
+            .map_err(|_| ModelError::InvalidModel("projection count".into()))?;
+        Ok(Self {
+            attn_norm,
+            mlp_norm,
+            proj,
+        })
+    }
+
+    /// Where projection `t` lives below the layer (`self_attn.q_proj`, `mlp.down_proj`, ...).
+    fn proj_weights<'a>(vb: &Weights<'a>, t: LoraTarget) -> Weights<'a> {
+        vb.pp(t.module()).pp(t.hf_name())
+    }
+
+    /// Names this layer's tensors below `vb` (the path [`Layer::new`] read them from).
+    fn visit(&self, vb: &Weights, f: &mut dyn FnMut(String, &Tensor)) {
+        f(vb.pp(INPUT_LAYERNORM).name(WEIGHT), &self.attn_norm);
+        f(vb.pp(POST_ATTENTION_LAYERNORM).name(WEIGHT), &self.mlp_norm);
+        for t in LoraTarget::ALL {
+            self.proj(t).visit(&Self::proj_weights(vb, t), f);
+        }
+    }
+
     pub(crate) fn proj(&self, t: LoraTarget) -> &Linear {
         &self.proj[t as usize]
     }
@@ -182,11 +421,6 @@ pub struct Model {
     device: Device,
 }
 
-/// The HF parameter name of a projection in layer `i`.
-pub(crate) fn hf_proj_name(i: usize, t: LoraTarget) -> String {
-    format!("model.layers.{i}.{}.{}", t.module(), t.hf_name())
-}
-
 impl Model {
     /// Builds the model from HF-named tensors (`model.embed_tokens.weight`,
     /// `model.layers.{i}.self_attn.q_proj.weight`, ...), converted to `dtype` on `device`.
@@ -196,66 +430,33 @@ impl Model {
         dtype: DType,
         device: &Device,
     ) -> Result<Self> {
+        // Cloning the map clones reference-counted handles, not the weights.
+        Self::new(cfg, Weights::from_tensors(tensors.clone(), dtype, device))
+    }
+
+    /// Builds the model from `vb` scoped to the checkpoint root, in `vb`'s dtype and on its
+    /// device. Weights are read embedding, final norm, head, then layer by layer: the order
+    /// [`Model::random`] draws them in.
+    pub(crate) fn new(cfg: ModelConfig, vb: Weights) -> Result<Self> {
         cfg.check()?;
-        let get = |name: &str| -> Result<Tensor> {
-            let t = tensors
-                .get(name)
-                .ok_or_else(|| ModelError::InvalidModel(format!("missing tensor {name}")))?;
-            Ok(t.to_device(device)?.to_dtype(dtype)?)
-        };
-        let check_shape = |t: &Tensor, shape: &[usize], name: &str| -> Result<()> {
-            if t.dims() != shape {
-                return Err(ModelError::InvalidModel(format!(
-                    "{name} has shape {:?}, expected {shape:?}",
-                    t.dims()
-                )));
-            }
-            Ok(())
-        };
-        let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-        let embed = get("model.embed_tokens.weight")?;
-        check_shape(&embed, &[cfg.vocab_size, h], "model.embed_tokens.weight")?;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
-            let mut proj = Vec::with_capacity(7);
-            for t in LoraTarget::ALL {
-                let name = hf_proj_name(i, t);
-                let w = get(&format!("{name}.weight"))?;
-                let (out, inp) = t.shape(&cfg);
-                check_shape(&w, &[out, inp], &name)?;
-                let has_bias = match t {
-                    LoraTarget::Q | LoraTarget::K | LoraTarget::V => cfg.qkv_bias,
-                    LoraTarget::O => cfg.o_bias,
-                    _ => false,
-                };
-                let b = if has_bias {
-                    Some(get(&format!("{name}.bias"))?)
-                } else {
-                    None
-                };
-                proj.push(Linear { w, b, q: None });
-            }
-            let proj: [Linear; 7] = proj
-                .try_into()
-                .map_err(|_| ModelError::InvalidModel("projection count".into()))?;
-            layers.push(Layer {
-                attn_norm: get(&format!("model.layers.{i}.input_layernorm.weight"))?,
-                mlp_norm: get(&format!("model.layers.{i}.post_attention_layernorm.weight"))?,
-                proj,
-            });
-        }
-        let norm = get("model.norm.weight")?;
-        let lm_head = if cfg.tie_word_embeddings {
+        let (dtype, device) = (vb.dtype(), vb.device().clone());
+        let h = cfg.hidden_size;
+        let model = vb.pp(MODEL);
+        let embed = model
+            .pp(EMBED_TOKENS)
+            .get((cfg.vocab_size, h), WEIGHT, randn(0.0, 0.5))?;
+        let norm = model.pp(NORM).get(h, WEIGHT, randn(1.0, 0.1))?;
+        let head = vb.pp(LM_HEAD);
+        // Some exports drop the head of tied models without setting the flag.
+        let lm_head = if cfg.tie_word_embeddings || !head.contains(WEIGHT) {
             embed.clone()
         } else {
-            match tensors.get("lm_head.weight") {
-                Some(_) => get("lm_head.weight")?,
-                // Some exports drop the head of tied models without setting the flag.
-                None => embed.clone(),
-            }
+            head.get((cfg.vocab_size, h), WEIGHT, randn(0.0, 0.2))?
         };
-        check_shape(&lm_head, &[cfg.vocab_size, h], "lm_head.weight")?;
-        let (cos, sin) = rope_tables(&cfg, hd, dtype, device)?;
+        let layers = (0..cfg.num_layers)
+            .map(|i| Layer::new(&cfg, model.pp(LAYERS).pp(i)))
+            .collect::<Result<Vec<_>>>()?;
+        let (cos, sin) = rope_tables(&cfg, cfg.head_dim, dtype, &device)?;
         Ok(Self {
             cfg,
             embed,
@@ -266,43 +467,38 @@ impl Model {
             cos,
             sin,
             dtype,
-            device: device.clone(),
+            device,
         })
     }
 
-    /// A model with random weights (normal, std 0.02 for matrices, ones plus noise for norms),
-    /// for tests and examples.
+    /// A model with random weights (normal: std `1/sqrt(in)` for projections, 0.5 for the
+    /// embedding, 0.2 for an untied head, 0.1 for biases; ones plus noise for norms), for tests
+    /// and examples.
     pub fn random(cfg: ModelConfig, seed: u64, dtype: DType, device: &Device) -> Result<Self> {
-        let tensors = random_tensors(&cfg, seed)?;
-        Self::from_tensors(cfg, &tensors, dtype, device)
+        Self::new(cfg, Weights::random(seed, dtype, device))
     }
 
     /// The HF-named weights (as stored: compute dtype), e.g. to save an HF directory.
     pub fn named_tensors(&self) -> HashMap<String, Tensor> {
         let mut m = HashMap::new();
-        m.insert("model.embed_tokens.weight".to_string(), self.embed.clone());
-        m.insert("model.norm.weight".to_string(), self.norm.clone());
+        self.visit(&Weights::names(), &mut |name, t| {
+            m.insert(name, t.clone());
+        });
+        m
+    }
+
+    /// Names every weight below `vb` with the paths [`Model::new`] read them from; the head
+    /// only when untied.
+    fn visit(&self, vb: &Weights, f: &mut dyn FnMut(String, &Tensor)) {
+        let model = vb.pp(MODEL);
+        f(model.pp(EMBED_TOKENS).name(WEIGHT), &self.embed);
+        f(model.pp(NORM).name(WEIGHT), &self.norm);
         if !self.cfg.tie_word_embeddings {
-            m.insert("lm_head.weight".to_string(), self.lm_head.clone());
+            f(vb.pp(LM_HEAD).name(WEIGHT), &self.lm_head);
         }
         for (i, layer) in self.layers.iter().enumerate() {
-            m.insert(
-                format!("model.layers.{i}.input_layernorm.weight"),
-                layer.attn_norm.clone(),
-            );
-            m.insert(
-                format!("model.layers.{i}.post_attention_layernorm.weight"),
-                layer.mlp_norm.clone(),
-            );
-            for t in LoraTarget::ALL {
-                let lin = layer.proj(t);
-                m.insert(format!("{}.weight", hf_proj_name(i, t)), lin.w.clone());
-                if let Some(b) = &lin.b {
-                    m.insert(format!("{}.bias", hf_proj_name(i, t)), b.clone());
-                }
-            }
+            layer.visit(&model.pp(LAYERS).pp(i), f);
         }
-        m
     }
 
     /// The configuration.
@@ -622,65 +818,6 @@ fn build_mask(
     Ok(Some(m))
 }
 
-/// Random HF-named weights for `cfg` (f32, CPU).
-pub(crate) fn random_tensors(cfg: &ModelConfig, seed: u64) -> Result<HashMap<String, Tensor>> {
-    use rand::{Rng, SeedableRng};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let dev = Device::Cpu;
-    let mut normal = |shape: &[usize], std: f32, mean: f32| -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        // Box-Muller from the seeded RNG so weights are reproducible across platforms.
-        let v: Vec<f32> = (0..n)
-            .map(|_| {
-                let u1: f32 = rng.random::<f32>().max(1e-7);
-                let u2: f32 = rng.random::<f32>();
-                mean + std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
-            })
-            .collect();
-        Ok(Tensor::from_vec(v, shape, &dev)?)
-    };
-    let mut m = HashMap::new();
-    let h = cfg.hidden_size;
-    m.insert(
-        "model.embed_tokens.weight".into(),
-        normal(&[cfg.vocab_size, h], 0.5, 0.0)?,
-    );
-    m.insert("model.norm.weight".into(), normal(&[h], 0.1, 1.0)?);
-    if !cfg.tie_word_embeddings {
-        m.insert(
-            "lm_head.weight".into(),
-            normal(&[cfg.vocab_size, h], 0.2, 0.0)?,
-        );
-    }
-    for i in 0..cfg.num_layers {
-        m.insert(
-            format!("model.layers.{i}.input_layernorm.weight"),
-            normal(&[h], 0.1, 1.0)?,
-        );
-        m.insert(
-            format!("model.layers.{i}.post_attention_layernorm.weight"),
-            normal(&[h], 0.1, 1.0)?,
-        );
-        for t in LoraTarget::ALL {
-            let (out, inp) = t.shape(cfg);
-            let name = hf_proj_name(i, t);
-            m.insert(
-                format!("{name}.weight"),
-                normal(&[out, inp], 1.0 / (inp as f32).sqrt(), 0.0)?,
-            );
-            let has_bias = match t {
-                LoraTarget::Q | LoraTarget::K | LoraTarget::V => cfg.qkv_bias,
-                LoraTarget::O => cfg.o_bias,
-                _ => false,
-            };
-            if has_bias {
-                m.insert(format!("{name}.bias"), normal(&[out], 0.1, 0.0)?);
-            }
-        }
-    }
-    Ok(m)
-}
-
 /// Index of the largest logit in each row of `[batch, vocab]`.
 pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
     Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
@@ -689,7 +826,98 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Architecture;
     use proptest::prelude::*;
+
+    fn invalid_model_message(r: Result<Model>) -> String {
+        match r {
+            Err(ModelError::InvalidModel(m)) => m,
+            other => panic!("expected InvalidModel, got {other:?}"),
+        }
+    }
+
+    /// `named_tensors` names exactly the tensors the constructors read: the model rebuilds from
+    /// them, and dropping any one of them is reported by its full name.
+    #[test]
+    fn named_tensors_are_what_the_constructors_read() {
+        // Llama: tied head, no biases; Qwen2: untied head, q/k/v biases.
+        for arch in [Architecture::Llama, Architecture::Qwen2] {
+            let cfg = ModelConfig::tiny(arch);
+            let model = Model::random(cfg.clone(), 5, DType::F32, &Device::Cpu).unwrap();
+            let named = model.named_tensors();
+            let per_layer = 2 + 7 + if cfg.qkv_bias { 3 } else { 0 };
+            let head = usize::from(!cfg.tie_word_embeddings);
+            assert_eq!(named.len(), 2 + head + cfg.num_layers * per_layer);
+            assert!(named.contains_key("model.layers.1.self_attn.q_proj.weight"));
+            let rebuilt =
+                Model::from_tensors(cfg.clone(), &named, DType::F32, &Device::Cpu).unwrap();
+            for (name, t) in rebuilt.named_tensors() {
+                let diff = (&t - &named[&name])
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap();
+                assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0, "{name}");
+            }
+            for name in named.keys() {
+                // A missing head falls back to the embedding (exports that drop a tied head).
+                if name == "lm_head.weight" {
+                    continue;
+                }
+                let mut partial = named.clone();
+                partial.remove(name);
+                let r = Model::from_tensors(cfg.clone(), &partial, DType::F32, &Device::Cpu);
+                assert_eq!(invalid_model_message(r), format!("missing tensor {name}"));
+            }
+        }
+    }
+
+    /// A tensor of the wrong shape is reported with its full name, its shape and the expected one.
+    #[test]
+    fn mis_shaped_tensor_is_named() {
+        let cfg = ModelConfig::tiny(Architecture::Qwen2);
+        let model = Model::random(cfg.clone(), 5, DType::F32, &Device::Cpu).unwrap();
+        let (out, inp) = LoraTarget::K.shape(&cfg);
+        let cases = [
+            ("model.layers.1.self_attn.k_proj.weight", vec![inp, out]),
+            ("model.layers.0.self_attn.v_proj.bias", vec![out + 1]),
+            ("model.norm.weight", vec![1, cfg.hidden_size]),
+        ];
+        for (name, shape) in cases {
+            let mut named = model.named_tensors();
+            let expected = named[name].dims().to_vec();
+            named.insert(
+                name.into(),
+                Tensor::zeros(shape.as_slice(), DType::F32, &Device::Cpu).unwrap(),
+            );
+            let r = Model::from_tensors(cfg.clone(), &named, DType::F32, &Device::Cpu);
+            assert_eq!(
+                invalid_model_message(r),
+                format!("{name} has shape {shape:?}, expected {expected:?}")
+            );
+        }
+    }
+
+    /// The weights convert to the requested dtype, and an untied head without `lm_head.weight`
+    /// shares the embedding.
+    #[test]
+    fn loads_in_dtype_and_falls_back_to_the_embedding_head() {
+        let cfg = ModelConfig::tiny(Architecture::Qwen2);
+        assert!(!cfg.tie_word_embeddings);
+        let model = Model::random(cfg.clone(), 5, DType::F32, &Device::Cpu).unwrap();
+        let mut named = model.named_tensors();
+        named.remove("lm_head.weight");
+        let m = Model::from_tensors(cfg, &named, DType::BF16, &Device::Cpu).unwrap();
+        assert_eq!(m.dtype(), DType::BF16);
+        assert_eq!(m.lm_head().dtype(), DType::BF16);
+        let embed = named["model.embed_tokens.weight"]
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let diff = (m.lm_head() - &embed).unwrap().abs().unwrap();
+        let diff = diff.to_dtype(DType::F32).unwrap().max_all().unwrap();
+        assert_eq!(diff.to_scalar::<f32>().unwrap(), 0.0);
+    }
 
     proptest! {
         /// Real tokens get positions 0..len in order on either side; padding fills the rest.
