@@ -1,5 +1,8 @@
-//! How good are the targets of `distill_target = "edit"`, per way of building them, before any
-//! training? A few minutes instead of an hour-long learning run.
+//! How good are the targets of the experimental edit (`[learner.trainer.experimental]
+//! edit_target = true`), per way of building them, before any training? A few minutes instead
+//! of an hour-long learning run. The edit lost every learning comparison
+//! (docs/experiments/2026-12-02-edit-control-and-confident-edits.md); this probe is what its
+//! knobs are kept for.
 //!
 //! For `N` training tickets of the simulated environment (single turn, guided JSON, as in the
 //! learning-curve bench) the logged answer is the default model's greedy answer with each field
@@ -18,9 +21,10 @@
 //! fields flagged), and the share of target fields and of whole targets that are right, next
 //! to the logged answers'. Then, per configuration, how well the teacher's confidence in a
 //! target (margin 0) tells right targets from wrong ones: the targets ranked by their joint
-//! value log-probability ([`EditPreview::target_logprob`], what `min_target_logprob`
-//! filters on) and by their least likely value, and for the most confident 100/75/50/25% the
-//! floor that keeps them and how many of their fields and whole targets are right.
+//! value log-probability ([`EditPreview::target_logprob`], what the confidence floor of
+//! those runs, since removed, filtered on) and by their least likely value, and for the most
+//! confident 100/75/50/25% the floor that keeps them and how many of their fields and whole
+//! targets are right.
 //!
 //! ```sh
 //! cargo run --release -p hindsight-bench --example edit_probe -- [N] [REF:α,…]
@@ -36,7 +40,7 @@ use hindsight_feedback::{
 };
 use hindsight_learner::example::{build_example, ExampleConfig, TrainExample};
 use hindsight_learner::trainer::{
-    DistillTarget, EditBaseline, EditPreview, TeacherDecoding, Trainer, TrainerConfig,
+    EditBaseline, EditPreview, ExperimentalTrainer, TeacherDecoding, Trainer, TrainerConfig,
 };
 use hindsight_model::candle_core::{DType, Device};
 use hindsight_model::grammar::{grammar_vocab, object_value_spans, OJson};
@@ -148,10 +152,12 @@ fn main() -> anyhow::Result<()> {
         .iter()
         .map(|v| {
             let cfg = TrainerConfig {
-                distill_target: DistillTarget::Edit,
-                edit_margin_nats: 0.0,
-                edit_baseline: v.baseline,
-                teacher_contrast: v.contrast,
+                experimental: ExperimentalTrainer {
+                    edit_target: true,
+                    edit_margin_nats: 0.0,
+                    edit_baseline: v.baseline,
+                    teacher_contrast: v.contrast,
+                },
                 ..TrainerConfig::default()
             };
             let mut tr = Trainer::new(model.clone(), cfg, "probe")?;
@@ -229,8 +235,8 @@ fn main() -> anyhow::Result<()> {
             };
             eprintln!(
                 "  {:>3.1} {:?}: shifts {shifts:?} teacher {} confidence {confidence:?}",
-                tr.config().teacher_contrast,
-                tr.config().edit_baseline,
+                tr.config().experimental.teacher_contrast,
+                tr.config().experimental.edit_baseline,
                 teacher.as_deref().unwrap_or("-"),
             );
             seen.push(Seen {

@@ -181,7 +181,7 @@ fn main() -> anyhow::Result<()> {
 /// What the probe gathers over the tickets: per prompt (index 0 = the student, then each
 /// placement) the sum of p(correct value) and the argmax hits over the wrong-field positions;
 /// and the teacher (UserNote) minus student log p of the logged value's first token, by whether
-/// the logged value was right: what `distill_target = "edit"` thresholds on.
+/// the logged value was right: what the experimental edit target thresholds on.
 struct Tally {
     p_sum: Vec<f64>,
     hits: Vec<usize>,

@@ -33,10 +33,10 @@ pub struct ExampleConfig {
     #[serde(default = "default_score_range")]
     pub score_range: [f64; 2],
     /// A critique that says nothing about the answer's content. The teacher shown it in place
-    /// of the real feedback is the counterfactual control of the edit target
-    /// (`trainer.edit_baseline = "control"`, `trainer.teacher_contrast`): what the real
-    /// critique changes beyond "there is a complaint" is what its content says. Empty: no
-    /// control context is built.
+    /// of the real feedback is the counterfactual control read only by the experimental
+    /// knobs (`trainer.experimental.edit_baseline = "control"`,
+    /// `trainer.experimental.teacher_contrast`): what the real critique changes beyond "there
+    /// is a complaint" is what its content says. Empty: no control context is built.
     #[serde(default = "default_control_feedback")]
     pub control_feedback: String,
 }

@@ -247,20 +247,6 @@ pub fn mean(per_token: &Tensor) -> Result<Tensor> {
     Ok((per_token.sum_all()? / n as f64)?)
 }
 
-/// Mean over the rows of a per-token loss with each row scaled by `weights` (one per row; a
-/// row of weight 0 adds nothing), over all rows: a weighted row counts as much as in [`mean`],
-/// a masked one is left out without raising the others. `None` = [`mean`].
-pub fn weighted_mean(per_token: &Tensor, weights: Option<&[f32]>) -> Result<Tensor> {
-    match weights {
-        Some(w) if per_token.elem_count() > 0 => {
-            let w = Tensor::from_slice(w, per_token.dims(), per_token.device())?
-                .to_dtype(per_token.dtype())?;
-            mean(&(per_token * w)?)
-        }
-        _ => mean(per_token),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -271,27 +257,6 @@ mod tests {
         let v = rows[0].len();
         let flat: Vec<f64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
         Tensor::from_vec(flat, (n, v), &Device::Cpu).unwrap()
-    }
-
-    #[test]
-    fn weighted_mean_leaves_masked_rows_out_over_all_rows() {
-        let per = Tensor::new(&[1.0f32, 2.0, 3.0, 4.0], &Device::Cpu).unwrap();
-        let m = |w: Option<&[f32]>| weighted_mean(&per, w).unwrap().to_scalar::<f32>().unwrap();
-        assert_eq!(m(None), 2.5);
-        assert_eq!(m(Some(&[1.0, 1.0, 1.0, 1.0])), 2.5);
-        assert_eq!(m(Some(&[1.0, 0.0, 1.0, 0.0])), 1.0);
-        assert!(
-            weighted_mean(&per, Some(&[1.0, 0.0])).is_err(),
-            "one weight per row"
-        );
-        let empty = Tensor::zeros(0, DType::F32, &Device::Cpu).unwrap();
-        assert_eq!(
-            weighted_mean(&empty, Some(&[]))
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap(),
-            0.0
-        );
     }
 
     fn scalar(t: &Tensor) -> f64 {

@@ -241,3 +241,69 @@ fn the_bench_reads_the_learner_config_and_fails_loudly_on_a_bad_value() {
         .to_string();
     assert!(unknown.contains("unknown field `event`"), "{unknown}");
 }
+
+/// The experimental knobs are read from `[learner.trainer.experimental]` like any other (the
+/// edit probe's configurations), their label names the table, and the knobs removed for losing
+/// every comparison are refused by name.
+#[test]
+fn the_bench_reads_experimental_knobs_and_refuses_removed_ones() {
+    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let f = BenchFile::load(
+        None,
+        env(&[
+            (
+                "HINDSIGHT_LEARNER__TRAINER__EXPERIMENTAL__EDIT_TARGET",
+                "true",
+            ),
+            (
+                "HINDSIGHT_LEARNER__TRAINER__EXPERIMENTAL__TEACHER_CONTRAST",
+                "1",
+            ),
+        ]),
+    )
+    .unwrap();
+    let x = &f.learner.trainer.experimental;
+    assert!(x.edit_target && x.teacher_contrast == 1.0, "{x:?}");
+    assert_eq!(
+        f.learner.trainer.target(),
+        hindsight_learner::trainer::DistillTarget::Edit
+    );
+    let label = LearningConfig::from_file(Objective::Distill, f, "/tmp/x").label();
+    assert!(
+        label.contains("trainer.experimental.edit_target=true"),
+        "{label}"
+    );
+    for (key, name) in [
+        (
+            "HINDSIGHT_LEARNER__TRAINER__MIN_TARGET_LOGPROB",
+            "min_target_logprob",
+        ),
+        (
+            "HINDSIGHT_LEARNER__TRAINER__MIN_FIELD_LOGPROB",
+            "min_field_logprob",
+        ),
+        ("HINDSIGHT_LEARNER__TRAINER__CONFIDENCE", "confidence"),
+        ("HINDSIGHT_LEARNER__REPLAY_UNLEARNED", "replay_unlearned"),
+        (
+            "HINDSIGHT_LEARNER__TRAINER__TEACHER_CONTRAST",
+            "teacher_contrast",
+        ),
+    ] {
+        let err = BenchFile::load(None, env(&[(key, "1")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("unknown field `{name}`")), "{err}");
+    }
+    let edit = BenchFile::load(
+        None,
+        env(&[("HINDSIGHT_LEARNER__TRAINER__DISTILL_TARGET", "edit")]),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(edit.contains("unknown variant `edit`"), "{edit}");
+}

@@ -93,11 +93,6 @@ pub struct LearnerConfig {
     /// starts with an empty buffer (exactly-once applies to new records; replay is extra).
     #[serde(default = "default_replay_buffer_examples")]
     pub replay_buffer_examples: usize,
-    /// Also buffer for replay the examples a step learned nothing from
-    /// ([`crate::trainer::StepReport::unlearned`], e.g. edit targets below the confidence
-    /// floor); by default they stay out, so replay slots go to examples with something to learn.
-    #[serde(default)]
-    pub replay_unlearned: bool,
     /// Stop after this many trained examples (benchmarks and tests; none = run until stopped).
     #[serde(default)]
     pub max_examples: Option<u64>,

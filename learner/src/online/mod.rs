@@ -402,12 +402,8 @@ impl Run<'_> {
         )
         .await?;
         if cfg.replay_steps_per_batch > 0 {
-            let skip: &[Uuid] = if cfg.replay_unlearned {
-                &[]
-            } else {
-                &unlearned
-            };
-            let kept = remember_for_replay(&mut self.replay, b, skip, cfg.replay_buffer_examples);
+            let kept =
+                remember_for_replay(&mut self.replay, b, &unlearned, cfg.replay_buffer_examples);
             metrics::counter!("hindsight_learner_replay_excluded_total")
                 .increment(trained.saturating_sub(kept) as u64);
         }

@@ -16,8 +16,8 @@ use crate::trainer::Trainer;
 
 /// Appends the trained `batch` to the replay buffer (oldest out beyond `cap`), except the
 /// examples the step learned nothing from ([`crate::trainer::StepReport::unlearned`]: e.g. an
-/// edit target below the confidence floor, which a replay would skip again at the cost of its
-/// passes). Returns how many went in.
+/// example no configured objective applies to, which a replay would skip again at the cost of
+/// its passes). Returns how many went in.
 pub(super) fn remember_for_replay(
     replay: &mut VecDeque<TrainExample>,
     batch: Vec<TrainExample>,

@@ -87,7 +87,7 @@ pub(super) async fn resume(setup: &LearnerSetup) -> Result<Resumed, OnlineError>
         }
         None => Trainer::new(model.clone(), cfg.trainer.clone(), &cfg.adapter_name)?,
     };
-    if cfg.trainer.distill_target != DistillTarget::Logged {
+    if cfg.trainer.target() != DistillTarget::Logged {
         // The teacher decodes its own answers under the logged requests' grammars.
         trainer.set_decoding(TeacherDecoding {
             vocab: Arc::new(grammar_vocab(&tokenizer, model_cfg.vocab_size)),

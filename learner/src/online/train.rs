@@ -59,7 +59,7 @@ pub(super) fn record_metrics(r: &StepReport) {
         metrics::gauge!("hindsight_learner_ratio_clip_fraction").set(v);
     }
     if let Some(c) = r.teacher_answers {
-        // Outcome of the teacher's own answers (`distill_target = teacher | edit`).
+        // Outcome of the teacher's own answers (`distill_target = teacher`, or the experimental edit).
         let counter = |outcome: &'static str, n: usize| {
             metrics::counter!("hindsight_learner_teacher_answers_total", "outcome" => outcome)
                 .increment(n as u64)

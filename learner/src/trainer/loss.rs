@@ -117,12 +117,8 @@ impl Trainer {
 
         // Teacher: the EMA policy shown the feedback, on the same answer tokens, and the
         // target distilled on (its own answer or edit, or the logged answer).
-        let TeacherTarget {
-            own,
-            teacher,
-            weights,
-            unconfident,
-        } = self.teacher_target(ex, &s_lp, &mut stats.teacher_counts, &mut report.tokens)?;
+        let TeacherTarget { own, teacher } =
+            self.teacher_target(ex, &s_lp, &mut stats.teacher_counts, &mut report.tokens)?;
 
         // Distillation on the teacher's own answer or edit (a second student pass unless
         // it is the logged answer) or on the logged one. A target that is not the logged
@@ -133,7 +129,7 @@ impl Trainer {
                 report.tokens += a.ids.len();
                 let pass = self.policy_pass_after(prompt, &ex.context_ids, &a.ids)?;
                 if self.cfg.target_ce_weight > 0.0 && w.distill > 0.0 {
-                    let ce = weighted_mean(&pass.logprobs.neg()?, weights.as_deref())?;
+                    let ce = mean(&pass.logprobs.neg()?)?;
                     stats.note("target_ce", ce.to_scalar::<f32>()? as f64);
                     push(total, (ce * self.cfg.target_ce_weight)?)?;
                     learned = true;
@@ -147,16 +143,13 @@ impl Trainer {
                 .as_ref()
                 .map(|t| (student.logits.clone(), &t.logits))
         });
-        if let (Some((s_logits, t_logits)), true) = (pair, w.distill > 0.0 && !unconfident) {
-            let d = weighted_mean(
-                &distill_loss(
-                    &s_logits,
-                    t_logits,
-                    self.cfg.top_k.min(t_logits.dim(1)?),
-                    self.cfg.divergence,
-                )?,
-                weights.as_deref(),
-            )?;
+        if let (Some((s_logits, t_logits)), true) = (pair, w.distill > 0.0) {
+            let d = mean(&distill_loss(
+                &s_logits,
+                t_logits,
+                self.cfg.top_k.min(t_logits.dim(1)?),
+                self.cfg.divergence,
+            )?)?;
             stats.note("distill", d.to_scalar::<f32>()? as f64);
             push(total, (d * w.distill)?)?;
             learned = true;

@@ -24,7 +24,6 @@ use crate::error::{LearnerError, Result};
 use crate::example::TrainExample;
 use crate::objectives::{
     dense_advantages, distill_loss, kl_exact, kto_loss, mean, pg_loss, token_logprobs,
-    weighted_mean,
 };
 use crate::optim::AdamW;
 use hindsight_model::encode;
@@ -36,7 +35,9 @@ mod terms;
 #[cfg(test)]
 mod tests;
 
-pub use config::{Confidence, DistillTarget, EditBaseline, ObjectiveWeights, TrainerConfig};
+pub use config::{
+    DistillTarget, EditBaseline, ExperimentalTrainer, ObjectiveWeights, TrainerConfig,
+};
 use hindsight_model::grammar::{
     allowed_by_grammar, best_allowed, choice_logprob, object_value_spans, response_format_grammar,
     JsonState, OJson,
@@ -74,7 +75,7 @@ pub struct StepReport {
     pub advantage_std: Option<f64>,
     /// Share of tokens whose importance ratio was clipped.
     pub clip_fraction: Option<f64>,
-    /// With [`DistillTarget::Teacher`] or [`DistillTarget::Edit`]: examples whose teacher
+    /// With [`DistillTarget::Teacher`] (or the experimental edit): examples whose teacher
     /// answer was decoded, and of those the ones where the target differs from the logged
     /// answer (the teacher changed its mind in hindsight) and the ones that did not finish
     /// within the token limit (distilled on the logged answer instead).
@@ -86,9 +87,8 @@ pub struct StepReport {
     pub skipped: Option<String>,
     /// Wall time of the step, ms.
     pub duration_ms: u64,
-    /// Examples of the batch that no objective learned from: none applied, or the only one
-    /// was distillation on a target below the confidence floor (the KL guard alone does
-    /// not count). The online loop keeps them out of its replay buffer, where they would only
+    /// Examples of the batch that no objective learned from (the KL guard alone does not
+    /// count). The online loop keeps them out of its replay buffer, where they would only
     /// cost passes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unlearned: Vec<uuid::Uuid>,
@@ -234,10 +234,10 @@ impl Trainer {
     fn caches_teacher_work(&self, ex: &TrainExample) -> bool {
         self.cfg.teacher_cache_examples > 0
             && self.cfg.teacher_ema_rate == 0.0
-            && match self.cfg.distill_target {
+            && match self.cfg.target() {
                 DistillTarget::Teacher => true,
                 DistillTarget::Edit => {
-                    self.cfg.edit_baseline == EditBaseline::Control
+                    self.cfg.experimental.edit_baseline == EditBaseline::Control
                         && ex.control_context_ids.is_some()
                 }
                 DistillTarget::Logged => false,

@@ -24,14 +24,6 @@ pub struct TeacherAnswerCounts {
     /// With `edit`: fields whose value was replaced by the teacher's.
     #[serde(default)]
     pub edited_fields: usize,
-    /// With `min_target_logprob`: examples not distilled on because the teacher's confidence
-    /// in their target (its own answer or the edit) was below it.
-    #[serde(default)]
-    pub unconfident: usize,
-    /// With `min_field_logprob`: target fields whose value's tokens were masked out (the
-    /// teacher's confidence in the value below the floor).
-    #[serde(default)]
-    pub masked_fields: usize,
     /// Targets taken from the teacher cache (no decoding; the other counts include them as
     /// when they were made). See [`TrainerConfig::teacher_cache_examples`].
     #[serde(default)]
@@ -44,8 +36,6 @@ impl std::ops::AddAssign for TeacherAnswerCounts {
         self.changed += o.changed;
         self.fallback += o.fallback;
         self.edited_fields += o.edited_fields;
-        self.unconfident += o.unconfident;
-        self.masked_fields += o.masked_fields;
         self.cached += o.cached;
     }
 }
@@ -89,8 +79,7 @@ impl TeacherAnswer {
 }
 
 /// Per top-level field of the JSON-object answer `ids` (empty for any other answer): the sum
-/// of `lps` (one per token) over the field value's tokens. Their sum is the joint
-/// log-probability [`TrainerConfig::min_target_logprob`] is compared with.
+/// of `lps` (one per token) over the field value's tokens ([`EditPreview::confidence`]).
 pub(super) fn value_confidence(
     dec: &TeacherDecoding,
     ids: &[u32],
@@ -108,9 +97,9 @@ pub struct EditPreview {
     pub logged: String,
     /// Per top-level field of a JSON-object answer (empty otherwise): the teacher's
     /// log-probability of the logged value minus the reference's
-    /// ([`TrainerConfig::edit_baseline`]), summed over the value's tokens (nats).
+    /// ([`ExperimentalTrainer::edit_baseline`]), summed over the value's tokens (nats).
     pub shifts: Vec<(String, f64)>,
-    /// The fields whose shift is below `-edit_margin_nats`.
+    /// The fields whose shift is below `-experimental.edit_margin_nats`.
     pub flagged: Vec<String>,
     /// The teacher's own answer, when one was decoded (only for answers with a flagged field).
     pub teacher: Option<String>,
@@ -125,7 +114,7 @@ pub struct EditPreview {
 
 impl EditPreview {
     /// The teacher's joint log-probability of the target's field values (0 for an answer
-    /// that is not a JSON object): what `min_target_logprob` is compared with.
+    /// that is not a JSON object): how confident the teacher is in the target as a whole.
     pub fn target_logprob(&self) -> f64 {
         self.confidence.iter().map(|(_, lp)| lp).sum()
     }
@@ -164,7 +153,7 @@ pub(super) struct AnswerField {
 
 /// The text of `ids` and its top-level fields, each with its value's tokens; `None` for an
 /// answer that is not a JSON object. The one place a field's value is mapped to tokens: the
-/// edit's shifts, the per-field confidence and the field mask all sum or mask over these.
+/// edit's shifts and the per-field confidence sum over these.
 pub(super) fn answer_fields(
     dec: &TeacherDecoding,
     ids: &[u32],
@@ -198,29 +187,6 @@ pub(super) fn field_sums(fields: &[AnswerField], values: &[f64]) -> Vec<(String,
         .collect()
 }
 
-/// Per token of the JSON-object answer `ids`: 0 for the tokens of a field value whose
-/// confidence (`per_field`, as [`value_confidence`] makes it) is below `floor`, else 1; and how
-/// many fields that masked. `None` for an answer that is not a JSON object.
-pub(super) fn field_mask(
-    dec: &TeacherDecoding,
-    ids: &[u32],
-    per_field: &[(String, f64)],
-    floor: f64,
-) -> Option<(Vec<f32>, usize)> {
-    let fields = answer_fields(dec, ids).1?;
-    let mut weights = vec![1.0; ids.len()];
-    let mut masked = 0;
-    for f in &fields {
-        if per_field.iter().any(|(k, lp)| *k == f.key && *lp < floor) {
-            masked += 1;
-            for &i in &f.tokens {
-                weights[i] = 0.0;
-            }
-        }
-    }
-    Some((weights, masked))
-}
-
 /// An edit and the teacher's spelling of it (the distillation target).
 #[derive(Clone)]
 pub(super) struct EditOutcome {
@@ -236,13 +202,6 @@ pub(super) struct TeacherWork {
     pub(super) pass: Option<AnswerPass>,
     /// The target: the teacher's own answer or the edit (`None`: the logged answer).
     pub(super) target: Option<TeacherAnswer>,
-    /// The teacher's confidence in the target: the joint log-probability of its field values
-    /// (of its own answer, or of the edit: [`EditPreview::target_logprob`]); `None` when the
-    /// teacher's answer did not finish.
-    pub(super) confidence: Option<f64>,
-    /// With `min_field_logprob`: per token of the answer distilled on (the target, else the
-    /// logged answer), 0 where it belongs to a doubtful field's value, else 1.
-    pub(super) weights: Option<Vec<f32>>,
     /// The counts the work added when it was made.
     pub(super) counts: TeacherAnswerCounts,
     /// The tokens its passes cost when it was made.
@@ -266,7 +225,7 @@ impl Trainer {
     pub(super) fn decoding(&self) -> Result<&TeacherDecoding> {
         self.decoding.as_ref().ok_or_else(|| {
             LearnerError::InvalidArgument(
-                "distill_target = teacher | edit needs the tokenizer's vocabulary (Trainer::set_decoding)"
+                "distill_target = teacher (or experimental.edit_target) needs the tokenizer's vocabulary (Trainer::set_decoding)"
                     .into(),
             )
         })
@@ -338,7 +297,7 @@ impl Trainer {
 
     /// The teacher's own answer after `tctx`: greedy, under the grammar of `format` when given
     /// (then closed with the end-of-turn token), else until the end-of-turn token; contrasted
-    /// with the teacher after `control` when `teacher_contrast > 0` and a control prompt is
+    /// with the teacher after `control` when `experimental.teacher_contrast > 0` and a control prompt is
     /// given. Returns the answer and the logits at the positions that predict it (the
     /// decoding's own forward passes), or `None` when it does not finish within the token
     /// limit.
@@ -358,7 +317,7 @@ impl Trainer {
             }
             None => None,
         };
-        let alpha = self.cfg.teacher_contrast;
+        let alpha = self.cfg.experimental.teacher_contrast;
         let control = control.filter(|_| alpha > 0.0).map(|c| (c, alpha));
         let mut state = grammar.as_ref().map(JsonState::new);
         let mut choices = Vec::new();
@@ -471,7 +430,10 @@ impl Trainer {
         ex: &TrainExample,
         student: impl FnOnce() -> Result<Vec<f32>>,
     ) -> Result<Vec<f32>> {
-        match (self.cfg.edit_baseline, ex.control_context_ids.as_deref()) {
+        match (
+            self.cfg.experimental.edit_baseline,
+            ex.control_context_ids.as_deref(),
+        ) {
             (EditBaseline::Control, Some(cctx)) => Ok(self
                 .teacher_pass_after(prompts, cctx, &ex.answer_ids)?
                 .logprobs
@@ -548,7 +510,7 @@ impl Trainer {
         let against: Vec<&AnswerField> = fields
             .iter()
             .zip(&out.preview.shifts)
-            .filter(|(_, (_, shift))| *shift < -self.cfg.edit_margin_nats)
+            .filter(|(_, (_, shift))| *shift < -self.cfg.experimental.edit_margin_nats)
             .map(|(field, _)| field)
             .collect();
         out.preview.flagged = against.iter().map(|f| f.key.clone()).collect();
@@ -602,25 +564,6 @@ impl Trainer {
         Ok(out)
     }
 
-    /// With `min_field_logprob`: the per-token weights of the target `ids` ([`field_mask`]),
-    /// counting the masked fields; `None` without the floor or for a non-object answer.
-    pub(super) fn field_weights(
-        &self,
-        ids: &[u32],
-        per_field: &[(String, f64)],
-        counts: &mut TeacherAnswerCounts,
-    ) -> Result<Option<Vec<f32>>> {
-        let Some(floor) = self.cfg.min_field_logprob else {
-            return Ok(None);
-        };
-        Ok(
-            field_mask(self.decoding()?, ids, per_field, floor).map(|(w, masked)| {
-                counts.masked_fields += masked;
-                w
-            }),
-        )
-    }
-
     /// The teacher's work on `ex` for [`DistillTarget::Teacher`] (its own answer) or
     /// [`DistillTarget::Edit`] (its pass over the logged answer, the edit and the confidence
     /// in it); `s_lp` are the student's log-probs of the logged tokens (the edit's default
@@ -633,31 +576,27 @@ impl Trainer {
     ) -> Result<TeacherWork> {
         let mut counts = TeacherAnswerCounts::default();
         let mut prompts = TeacherPrompts::default();
-        if self.cfg.distill_target == DistillTarget::Teacher {
+        if self.cfg.target() == DistillTarget::Teacher {
             let control = ex.control_context_ids.as_deref();
             let own =
                 self.teacher_answer(&mut prompts, tctx, control, ex.answer_format.as_ref())?;
             counts.decoded += 1;
-            let (mut confidence, mut weights) = (None, None);
             match &own {
                 Some(a) => {
                     counts.changed += usize::from(a.ids != ex.answer_ids);
-                    let dec = self.decoding()?;
-                    let fields = answer_fields(dec, &a.ids).1.unwrap_or_default();
-                    let vocabulary = field_sums(&fields, &a.logprobs()?);
-                    let decision = a
-                        .choices
-                        .as_deref()
-                        .map(|c| field_sums(&fields, c))
-                        .unwrap_or_default();
-                    let per_field = match self.cfg.confidence {
-                        Confidence::Vocabulary => &vocabulary,
-                        Confidence::Decision => &decision,
-                    };
-                    let joint = per_field.iter().map(|(_, lp)| lp).sum::<f64>();
-                    confidence = Some(joint);
-                    weights = self.field_weights(&a.ids, per_field, &mut counts)?;
                     if tracing::enabled!(tracing::Level::DEBUG) {
+                        // The teacher's confidence in its values, per field: over the whole
+                        // vocabulary and among the choices the grammar allowed (read by
+                        // bench/python/edit_diagnostic.py).
+                        let dec = self.decoding()?;
+                        let fields = answer_fields(dec, &a.ids).1.unwrap_or_default();
+                        let vocabulary = field_sums(&fields, &a.logprobs()?);
+                        let decision = a
+                            .choices
+                            .as_deref()
+                            .map(|c| field_sums(&fields, c))
+                            .unwrap_or_default();
+                        let joint = vocabulary.iter().map(|(_, lp)| lp).sum::<f64>();
                         debug!(
                             record = %ex.record_id,
                             logged = %answer_text(dec, &ex.answer_ids).0,
@@ -675,8 +614,6 @@ impl Trainer {
             return Ok(TeacherWork {
                 pass: None,
                 target: own,
-                confidence,
-                weights,
                 counts,
                 tokens: prompts.tokens,
             });
@@ -687,14 +624,10 @@ impl Trainer {
         let edit = self.teacher_edit(&mut prompts, tctx, ex, &t_lp, &r_lp, &mut counts)?;
         let tokens = prompts.tokens;
         let confidence = edit.preview.target_logprob();
-        let distilled = edit.target.as_ref().map_or(&ex.answer_ids, |a| &a.ids);
-        let weights = self.field_weights(distilled, &edit.preview.confidence, &mut counts)?;
         debug!(record = %ex.record_id, per_field = ?edit.preview.confidence, confidence, "The teacher's confidence in the target's values (log p, nats).");
         Ok(TeacherWork {
             pass: Some(pass),
             target: edit.target,
-            confidence: Some(confidence),
-            weights,
             counts,
             tokens,
         })
@@ -731,8 +664,8 @@ impl Trainer {
     }
 
     /// The teacher's side of one example's distillation and dense reward: with
-    /// `distill_target = teacher | edit` the teacher's own target (from the cache while the
-    /// teacher is frozen), dropped below the confidence floor; and the teacher's pass over the
+    /// `distill_target = teacher` (or the experimental edit) the teacher's own target (from the
+    /// cache while the teacher is frozen); and the teacher's pass over the
     /// logged answer where distillation on it or the dense reward needs it.
     pub(super) fn teacher_target(
         &mut self,
@@ -743,10 +676,8 @@ impl Trainer {
     ) -> Result<TeacherTarget> {
         let w = self.cfg.objectives;
         let mut teacher = None;
-        let mut unconfident = false;
-        let mut weights = None;
         let own = match &ex.teacher_context_ids {
-            Some(tctx) if w.distill > 0.0 && self.cfg.distill_target != DistillTarget::Logged => {
+            Some(tctx) if w.distill > 0.0 && self.cfg.target() != DistillTarget::Logged => {
                 let cacheable = self.caches_teacher_work(ex);
                 let hit = cacheable
                     .then(|| self.cache.get(ex.record_id, &ex.answer_ids).cloned())
@@ -771,22 +702,13 @@ impl Trainer {
                 };
                 *c += work.counts;
                 teacher = work.pass;
-                weights = work.weights;
-                match (work.confidence, self.cfg.min_target_logprob) {
-                    (Some(confidence), Some(min)) if confidence < min => {
-                        debug!(record = %ex.record_id, confidence, "Target below the confidence floor; not distilled on.");
-                        c.unconfident += 1;
-                        unconfident = true;
-                        None
-                    }
-                    _ => work.target,
-                }
+                work.target
             }
             _ => None,
         };
         if teacher.is_none()
             && ex.teacher_context_ids.is_some()
-            && (w.dense > 0.0 || w.distill > 0.0 && own.is_none() && !unconfident)
+            && (w.dense > 0.0 || w.distill > 0.0 && own.is_none())
         {
             *tokens += ex.teacher_context_ids.as_ref().map_or(0, Vec::len) + ex.answer_ids.len();
             teacher = Some(self.teacher_pass_after(
@@ -795,12 +717,7 @@ impl Trainer {
                 &ex.answer_ids,
             )?);
         }
-        Ok(TeacherTarget {
-            own,
-            teacher,
-            weights,
-            unconfident,
-        })
+        Ok(TeacherTarget { own, teacher })
     }
 }
 
@@ -810,8 +727,4 @@ pub(super) struct TeacherTarget {
     pub(super) own: Option<TeacherAnswer>,
     /// The teacher's pass over the logged answer, where one ran.
     pub(super) teacher: Option<AnswerPass>,
-    /// Per token of the answer distilled on: 0 on doubtful field values (`min_field_logprob`).
-    pub(super) weights: Option<Vec<f32>>,
-    /// The target is below the confidence floor: no distillation on this example.
-    pub(super) unconfident: bool,
 }

@@ -1,6 +1,6 @@
 //! Trainer tests: gradient checks, objectives, guards, caches, snapshots.
 
-use super::teacher::{field_mask, value_confidence, EditOutcome};
+use super::teacher::EditOutcome;
 use super::*;
 use crate::objectives::Divergence;
 use crate::optim::AdamWConfig;
@@ -259,6 +259,7 @@ fn the_teacher_decodes_its_own_answer_under_the_grammar_with_its_logits() {
 fn distill_on(target: DistillTarget) -> TrainerConfig {
     let mut cfg = weights(0.0, 0.0, 1.0, 0.0);
     cfg.distill_target = target;
+    cfg.experimental.edit_target = target == DistillTarget::Edit;
     cfg.divergence = Divergence::ForwardKl;
     cfg.teacher_ema_rate = 0.0;
     cfg.kl_penalty = 0.0;
@@ -313,8 +314,6 @@ fn distilling_on_the_teachers_answer_moves_the_student_to_it() {
                 changed: 1,
                 fallback: 0,
                 edited_fields: 0,
-                unconfident: 0,
-                masked_fields: 0,
                 cached: usize::from(i > 0),
             })
         );
@@ -341,46 +340,10 @@ fn distilling_on_the_teachers_answer_moves_the_student_to_it() {
 }
 
 #[test]
-fn a_confidence_floor_keeps_the_teachers_unlikely_answers_out_of_distillation() {
-    let (mut tr, ex, tctx, _, _) = teacher_on_guided();
-    let work = tr.teacher_work(&tctx, &ex, &[]).unwrap();
-    let own = work.target.unwrap().ids;
-    let confidence = work.confidence.unwrap();
-    // The joint log-probability of the answer's value tokens: below 0, and at least that of
-    // the whole answer (a subset of its tokens) in a separate teacher pass.
-    let whole = logprob_under(&tr, tr.teacher(), &tctx, &own);
-    assert!(
-        confidence < 0.0 && confidence >= whole - 1e-3,
-        "{confidence} vs whole answer {whole}"
-    );
-    tr.cfg.min_target_logprob = Some(confidence + 0.1);
-    let before = logprob_of(&tr, &ex.context_ids, &own);
-    let r = tr.step(std::slice::from_ref(&ex)).unwrap();
-    assert_eq!(r.teacher_answers.unwrap().unconfident, 1, "{r:?}");
-    assert_eq!(r.unlearned, vec![ex.record_id], "{r:?}");
-    assert!(r.terms.is_empty() && r.skipped.is_some(), "{r:?}");
-    assert_eq!(logprob_of(&tr, &ex.context_ids, &own), before);
-    tr.cfg.min_target_logprob = Some(confidence - 0.1);
-    let r = tr.step(std::slice::from_ref(&ex)).unwrap();
-    assert_eq!(r.teacher_answers.unwrap().unconfident, 0, "{r:?}");
-    assert!(
-        r.terms.contains_key("distill") && r.skipped.is_none(),
-        "{r:?}"
-    );
-    assert_ne!(
-        logprob_of(&tr, &ex.context_ids, &own),
-        before,
-        "the step trained"
-    );
-}
-
-#[test]
-fn decision_confidence_is_the_values_probability_among_the_allowed_ones() {
-    let (mut tr, ex, tctx, _, _) = teacher_on_guided();
-    tr.cfg.confidence = Confidence::Decision;
+fn the_teachers_choices_are_each_tokens_probability_among_the_allowed_ones() {
+    let (tr, ex, tctx, _, _) = teacher_on_guided();
     let work = tr.teacher_work(&tctx, &ex, &[]).unwrap();
     let own = work.target.clone().unwrap();
-    let confidence = work.confidence.unwrap();
     let choices = own.choices.clone().unwrap();
     assert_eq!(choices.len(), own.ids.len());
     // At the value's token the grammar allows exactly a, b and c (ids 7–9): the choice is
@@ -401,34 +364,6 @@ fn decision_confidence_is_the_values_probability_among_the_allowed_ones() {
     // The closing quote and the end of turn are forced: certain choices.
     assert_eq!(choices[at + 1], 0.0);
     assert_eq!(choices.last(), Some(&0.0));
-    // The field's confidence sums its value's choices (the quotes and the value): at most
-    // the value token's, and well above the same tokens' log-probability over the whole
-    // 32-token vocabulary.
-    let vocabulary: f64 =
-        value_confidence(tr.decoding().unwrap(), &own.ids, &own.logprobs().unwrap())
-            .iter()
-            .map(|(_, lp)| lp)
-            .sum();
-    assert!(
-        confidence <= choices[at] + 1e-9 && confidence > vocabulary + 0.5,
-        "decision {confidence}, value token {}, vocabulary {vocabulary}",
-        choices[at]
-    );
-    // The floor reads it.
-    tr.cfg.min_target_logprob = Some(confidence + 0.01);
-    let r = tr.step(std::slice::from_ref(&ex)).unwrap();
-    assert_eq!(r.teacher_answers.unwrap().unconfident, 1, "{r:?}");
-    tr.cfg.min_target_logprob = Some(confidence - 0.01);
-    let r = tr.step(std::slice::from_ref(&ex)).unwrap();
-    assert_eq!(r.teacher_answers.unwrap().unconfident, 0, "{r:?}");
-    assert!(r.terms.contains_key("distill"), "{r:?}");
-    // Only a decoded answer has decisions: edits are refused at start-up.
-    let mut cfg = distill_on(DistillTarget::Edit);
-    cfg.confidence = Confidence::Decision;
-    let e = cfg.check().unwrap_err().to_string();
-    assert!(e.contains("decision") && e.contains("teacher"), "{e}");
-    cfg.distill_target = DistillTarget::Teacher;
-    cfg.check().unwrap();
 }
 
 /// [`guided`]'s vocabulary plus `j` (token 10) and a two-field `response_format`
@@ -462,7 +397,7 @@ fn guided_pair() -> (TeacherDecoding, OJson, impl Fn(&str) -> Vec<u32>) {
 /// [`guided_pair`]'s vocabulary (with its response format and text-to-ids helper).
 fn edit_trainer(target_ce: f64) -> (Trainer, OJson, impl Fn(&str) -> Vec<u32>) {
     let mut cfg = distill_on(DistillTarget::Edit);
-    cfg.edit_margin_nats = 0.0;
+    cfg.experimental.edit_margin_nats = 0.0;
     cfg.target_ce_weight = target_ce;
     pair_trainer(cfg)
 }
@@ -474,73 +409,6 @@ fn pair_trainer(cfg: TrainerConfig) -> (Trainer, OJson, impl Fn(&str) -> Vec<u32
     let (dec, rf, ids) = guided_pair();
     tr.set_decoding(dec);
     (tr, rf, ids)
-}
-
-#[test]
-fn the_target_floors_older_name_is_still_read() {
-    let cfg: TrainerConfig =
-        serde_json::from_value(serde_json::json!({"edit_min_target_logprob": -1.5})).unwrap();
-    assert_eq!(cfg.min_target_logprob, Some(-1.5));
-    let cfg: TrainerConfig =
-        serde_json::from_value(serde_json::json!({"min_field_logprob": -2.5})).unwrap();
-    assert_eq!(cfg.min_field_logprob, Some(-2.5));
-    assert!(cfg.check().is_ok());
-}
-
-#[test]
-fn the_field_mask_zeroes_only_the_tokens_of_doubtful_values() {
-    let (dec, _, ids) = guided_pair();
-    // `{"j": "b", "k": "c"}` is one token per character; `"c"` is characters 16..19.
-    let answer = ids(r#"{"j": "b", "k": "c"}"#);
-    let per_field = [("j".to_string(), -1.0), ("k".to_string(), -3.0)];
-    let (w, masked) = field_mask(&dec, &answer, &per_field, -2.0).unwrap();
-    let zeros: Vec<usize> = (0..w.len()).filter(|&i| w[i] == 0.0).collect();
-    assert_eq!((zeros, masked), (vec![16, 17, 18], 1));
-    assert!(w.iter().all(|&x| x == 0.0 || x == 1.0));
-    assert_eq!(field_mask(&dec, &answer, &per_field, -0.5).unwrap().1, 2);
-    let (w, masked) = field_mask(&dec, &answer, &per_field, -5.0).unwrap();
-    assert!(masked == 0 && w.iter().all(|&x| x == 1.0));
-    // Not a JSON object: nothing to mask by field.
-    assert!(field_mask(&dec, &ids("ab"), &per_field, -2.0).is_none());
-}
-
-#[test]
-fn a_field_floor_masks_doubtful_values_out_of_distillation_and_target_ce() {
-    let step = |floor: Option<f64>| {
-        let mut cfg = distill_on(DistillTarget::Teacher);
-        cfg.target_ce_weight = 1.0;
-        cfg.min_field_logprob = floor;
-        let (mut tr, rf, ids) = pair_trainer(cfg);
-        let mut ex = example(6, false, true, None);
-        ex.answer_format = Some(rf);
-        let tctx = ex.teacher_context_ids.clone().unwrap();
-        let own = tr
-            .teacher_work(&tctx, &ex, &[])
-            .unwrap()
-            .target
-            .unwrap()
-            .ids;
-        // A logged answer that differs from the teacher's, so its own is a second pass.
-        ex.answer_ids = ["a", "b", "c"]
-            .iter()
-            .map(|v| ids(&format!(r#"{{"j": "{v}", "k": "{v}"}}"#)))
-            .find(|a| *a != own)
-            .unwrap();
-        tr.step(std::slice::from_ref(&ex)).unwrap()
-    };
-    let (all, masked) = (step(None), step(Some(0.0)));
-    // A floor of 0 doubts every value: both fields masked, their tokens' losses gone from
-    // both terms (the rest — braces, keys, the end of turn — still learned).
-    assert_eq!(all.teacher_answers.unwrap().masked_fields, 0, "{all:?}");
-    assert_eq!(
-        masked.teacher_answers.unwrap().masked_fields,
-        2,
-        "{masked:?}"
-    );
-    for term in ["distill", "target_ce"] {
-        let (a, m) = (all.terms[term], masked.terms[term]);
-        assert!(m > 0.0 && m < a, "{term}: {a} unmasked, {m} masked");
-    }
 }
 
 #[test]
@@ -708,7 +576,7 @@ fn with_a_tokenizer_the_edit_is_its_own_tokens_scored_by_the_teacher() {
 #[test]
 fn the_teachers_edit_changes_only_the_fields_the_feedback_speaks_against() {
     let mut cfg = weights(0.0, 0.0, 1.0, 0.0);
-    cfg.distill_target = DistillTarget::Edit;
+    cfg.experimental.edit_target = true;
     let mut tr = Trainer::new(model(), cfg, "p").unwrap();
     let (dec, rf, ids) = guided_pair();
     let vocab = dec.vocab.clone();
@@ -770,8 +638,6 @@ fn the_teachers_edit_changes_only_the_fields_the_feedback_speaks_against() {
             changed: 1,
             fallback: 0,
             edited_fields: 1,
-            unconfident: 0,
-            masked_fields: 0,
             cached: 0,
         }
     );
@@ -827,7 +693,7 @@ fn the_teachers_edit_changes_only_the_fields_the_feedback_speaks_against() {
 #[test]
 fn the_teachers_answer_can_be_contrasted_with_the_control_critique() {
     let mut cfg = weights(0.0, 0.0, 1.0, 0.0);
-    cfg.teacher_contrast = 1.5;
+    cfg.experimental.teacher_contrast = 1.5;
     let mut tr = Trainer::new(model(), cfg, "p").unwrap();
     let (dec, rf, text) = guided();
     tr.set_decoding(dec);
@@ -864,7 +730,7 @@ fn the_teachers_answer_can_be_contrasted_with_the_control_critique() {
     );
     // Without a control prompt, or with α = 0, the decoding is the teacher's alone.
     for alpha in [1.5, 0.0] {
-        tr.cfg.teacher_contrast = alpha;
+        tr.cfg.experimental.teacher_contrast = alpha;
         let ctl = (alpha == 0.0).then_some(cctx.as_slice());
         let plain = tr
             .teacher_answer(&mut TeacherPrompts::default(), &tctx, ctl, Some(&rf))
@@ -901,7 +767,7 @@ fn the_edit_measures_the_feedback_against_the_student_or_the_control() {
             .sum()
     };
     for (baseline, reference) in [(EditBaseline::Student, &s), (EditBaseline::Control, &c)] {
-        tr.cfg.edit_baseline = baseline;
+        tr.cfg.experimental.edit_baseline = baseline;
         let preview = tr.edit_preview(&ex).unwrap().unwrap();
         assert_eq!(preview.logged, r#"{"j": "a", "k": "b"}"#);
         for (field, (key, got)) in preview.shifts.iter().enumerate() {
@@ -925,43 +791,6 @@ fn the_edit_measures_the_feedback_against_the_student_or_the_control() {
         (shift(&s, 0) - shift(&c, 0)).abs() > 1e-3,
         "the two references differ, so the test tells them apart"
     );
-}
-
-#[test]
-fn an_edit_target_below_the_confidence_floor_is_not_distilled_on() {
-    let (mut tr, rf, ids) = edit_trainer(1.0);
-    let mut ex = example(6, false, true, None);
-    ex.answer_format = Some(rf);
-    ex.answer_ids = ids(r#"{"j": "b", "k": "c"}"#);
-    let confidence = tr.edit_preview(&ex).unwrap().unwrap().target_logprob();
-    assert!(confidence < -0.5, "{confidence}");
-    // Just above the target's confidence: the example is counted and not distilled on.
-    tr.cfg.min_target_logprob = Some(confidence + 0.1);
-    let before = logprob_of(&tr, &ex.context_ids, &ex.answer_ids);
-    let r = tr.step(std::slice::from_ref(&ex)).unwrap();
-    assert_eq!(r.teacher_answers.unwrap().unconfident, 1, "{r:?}");
-    assert_eq!(r.unlearned, vec![ex.record_id], "nothing to replay: {r:?}");
-    assert!(r.terms.is_empty(), "{r:?}");
-    assert!(r.skipped.is_some(), "nothing to learn: {r:?}");
-    assert_eq!(logprob_of(&tr, &ex.context_ids, &ex.answer_ids), before);
-    // Just below: the same example is distilled on.
-    tr.cfg.min_target_logprob = Some(confidence - 0.1);
-    let r = tr.step(std::slice::from_ref(&ex)).unwrap();
-    assert_eq!(r.teacher_answers.unwrap().unconfident, 0, "{r:?}");
-    assert!(r.unlearned.is_empty(), "{r:?}");
-    assert!(
-        r.terms.contains_key("distill") && r.skipped.is_none(),
-        "{r:?}"
-    );
-    // The floor is a log-probability.
-    for floor in [0.5, f64::NAN, f64::NEG_INFINITY] {
-        let cfg = TrainerConfig {
-            min_target_logprob: Some(floor),
-            ..TrainerConfig::default()
-        };
-        let err = cfg.check().unwrap_err().to_string();
-        assert!(err.contains("min_target_logprob"), "{floor}: {err}");
-    }
 }
 
 /// Step `i` of a trainer with a replay cache (`a`) and one without (`b`): the same loss and
@@ -988,7 +817,7 @@ fn a_frozen_teachers_work_is_reused_on_replay_with_the_same_result() {
     // would have made (same loss and terms, same weights), at fewer tokens.
     let make = |cache: usize| {
         let (mut tr, rf, ids) = edit_trainer(1.0);
-        tr.cfg.edit_baseline = EditBaseline::Control;
+        tr.cfg.experimental.edit_baseline = EditBaseline::Control;
         tr.cfg.teacher_cache_examples = cache;
         (tr, rf, ids)
     };
@@ -1038,7 +867,7 @@ fn a_frozen_teachers_work_is_reused_on_replay_with_the_same_result() {
     // Work that reads the student (the edit against it) or a moving teacher is not cached.
     for (baseline, ema) in [(EditBaseline::Student, 0.0), (EditBaseline::Control, 0.05)] {
         let (mut tr, _, _) = make(64);
-        tr.cfg.edit_baseline = baseline;
+        tr.cfg.experimental.edit_baseline = baseline;
         tr.cfg.teacher_ema_rate = ema;
         for _ in 0..2 {
             let r = tr.step(std::slice::from_ref(&ex)).unwrap();
@@ -1054,12 +883,10 @@ fn a_frozen_teachers_work_is_reused_on_replay_with_the_same_result() {
 #[test]
 fn the_contrast_must_be_finite_and_not_negative() {
     for alpha in [-0.5, f64::NAN, f64::INFINITY] {
-        let cfg = TrainerConfig {
-            teacher_contrast: alpha,
-            ..TrainerConfig::default()
-        };
+        let mut cfg = TrainerConfig::default();
+        cfg.experimental.teacher_contrast = alpha;
         let err = cfg.check().unwrap_err().to_string();
-        assert!(err.contains("teacher_contrast"), "{err}");
+        assert!(err.contains("experimental.teacher_contrast"), "{err}");
     }
     assert!(TrainerConfig::default().check().is_ok());
 }
