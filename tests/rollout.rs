@@ -394,6 +394,23 @@ async fn weight_changes_reach_two_proxies_within_a_second_and_assignment_is_stic
     println!("split at 10%: {canary_10}/400, at 50%: {canary_50}/400");
     assert!(chi(canary_10, 0.1) < 10.83, "10% split: {canary_10}/400");
     assert!(chi(canary_50, 0.5) < 10.83, "50% split: {canary_50}/400");
+    // Users who open their conversations identically still get their own arms.
+    let mut same_opening = 0.0;
+    for u in &users {
+        let resp = client
+            .post(format!("http://127.0.0.1:{}/v1/chat/completions", p1.port))
+            .header("x-hindsight-user", u.as_str())
+            .json(&json!({"model": "support", "messages": [{"role": "system", "content": "You are support."}, {"role": "user", "content": "Hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        same_opening += f64::from(resp.headers()["x-hindsight-adapter"] == "support@2");
+    }
+    println!("identical openings at 50%: {same_opening}/400 on the canary");
+    assert!(
+        chi(same_opening, 0.5) < 10.83,
+        "identical openings: {same_opening}/400"
+    );
 }
 
 /// Redis SIGKILLed during traffic: no client error, the last table kept (canary users stay on
@@ -860,6 +877,30 @@ eval_interval_ms = 200
         "{history}"
     );
     println!("{history}");
+    // Every decision, the operator's included, is in Kafka's hindsight.rollouts, in order.
+    let rollouts = hindsight_feedback::TopicReader::new(
+        &log,
+        &format!("t-{}", uuid::Uuid::now_v7()),
+        &[Topic::Rollouts],
+    )
+    .unwrap();
+    let mut in_kafka: Vec<String> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while in_kafka.len() < 3 && Instant::now() < deadline {
+        if let Ok(Some(rec)) = rollouts.recv_timeout(Duration::from_millis(500)).await {
+            let a: hindsight_routing::AuditRecord = rec.decode().unwrap();
+            in_kafka.push(format!("{} by {}", a.action, a.by));
+        }
+    }
+    assert_eq!(
+        in_kafka,
+        [
+            "set_stable by operator:operator",
+            "start by operator:operator",
+            "rollback by controller"
+        ],
+        "the audit trail in Kafka"
+    );
     let (ok, status) = cli(&["status"]);
     assert!(
         ok && status.contains("support@2") && status.contains("rolled_back"),

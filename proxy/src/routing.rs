@@ -129,10 +129,16 @@ where
             let episode = header(headers::EPISODE).or_else(|| conversation_root(&body));
             let interaction_id = Uuid::now_v7();
             let id_key = interaction_id.to_string();
-            let key = user.as_deref().or(episode.as_deref()).unwrap_or(&id_key);
+            let key = user.clone().or_else(|| episode.clone()).unwrap_or(id_key);
+            // The episode a turn belongs to is the user's own: two users who open their
+            // conversations the same way are two episodes, each on its user's arm.
+            let episode = match (&user, episode) {
+                (Some(u), Some(e)) => Some(format!("{u}\u{0}{e}")),
+                (_, e) => e,
+            };
             let assignment = shared
                 .memory
-                .assign(route, user.as_deref(), episode.as_deref(), key);
+                .assign(route, user.as_deref(), episode.as_deref(), &key);
             metrics::counter!("hindsight_proxy_routed_total", "arm" => assignment.arm.as_str())
                 .increment(1);
             let body = replace_span(&body, span, &assignment.version);

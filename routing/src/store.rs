@@ -341,6 +341,35 @@ impl RoutingStore {
         Ok(raw.and_then(|t| serde_json::from_str(&t).ok()))
     }
 
+    /// The last generation of `route` whose audit record reached Kafka (0: none).
+    pub async fn get_mirrored(&self, route: &str) -> Result<u64, RoutingError> {
+        let key = format!("{}:mirrored:{route}", self.cfg.key_prefix);
+        let v: Option<u64> = self
+            .retrying("get_mirrored", |mut c, _| {
+                let key = key.clone();
+                async move { Ok(redis::cmd("GET").arg(&key).query_async(&mut c).await?) }
+            })
+            .await?;
+        Ok(v.unwrap_or(0))
+    }
+
+    /// Records that audit records up to `generation` of `route` reached Kafka.
+    pub async fn put_mirrored(&self, route: &str, generation: u64) -> Result<(), RoutingError> {
+        let key = format!("{}:mirrored:{route}", self.cfg.key_prefix);
+        self.retrying("put_mirrored", |mut c, _| {
+            let key = key.clone();
+            async move {
+                let () = redis::cmd("SET")
+                    .arg(&key)
+                    .arg(generation)
+                    .query_async(&mut c)
+                    .await?;
+                Ok(())
+            }
+        })
+        .await
+    }
+
     /// Sets (or clears) the candidate waiting for `route`'s running rollout to end.
     pub async fn put_queued(&self, route: &str, version: Option<&str>) -> Result<(), RoutingError> {
         let key = format!("{}:queued:{route}", self.cfg.key_prefix);

@@ -331,7 +331,6 @@ impl Controller {
         match ops::execute(&self.store, &req, op).await {
             Ok((stored, audit)) => {
                 tracing::info!(route = %stored.route, action = op.action(), %reason, "Rollout decision.");
-                self.publish_audit(&audit);
                 if let Some(reg) = &self.registry {
                     if let Err(e) = super::lineage::follow(reg, &stored, &audit).await {
                         tracing::warn!(error = %e, "Could not update the registry after a rollout decision; the next decision retries.");
@@ -368,6 +367,7 @@ impl Controller {
         self.metrics.mature(now);
         for parsed in self.store.load_all().await? {
             let Ok(route) = parsed else { continue };
+            self.mirror_audit(&route.route).await?;
             if let Some(next) = super::queue::next_queued(&self.store, &route).await? {
                 let op = Op::Start {
                     canary: next.clone(),
@@ -450,15 +450,38 @@ impl Controller {
         }
     }
 
-    fn publish_audit(&self, audit: &hindsight_routing::AuditRecord) {
-        match serde_json::to_vec(audit) {
-            Ok(bytes) => {
-                let id = uuid::Uuid::parse_str(&audit.id).unwrap_or_else(|_| uuid::Uuid::now_v7());
-                self.audit
-                    .submit(Topic::Rollouts, audit.route.clone(), id, bytes.into());
-            }
-            Err(e) => tracing::error!(error = %e, "Audit record could not be serialised."),
+    /// Copies the route's audit records that Kafka has not had yet — every writer's: the
+    /// controller's, operators' (CLI, admin API), the learner's — to `hindsight.rollouts`, in
+    /// generation order, through the spilling log (so a broker outage loses none), then records
+    /// how far it got in Redis. At least once: a crash between the two re-sends a few records
+    /// with the same id (the `hindsight-id` header), which readers drop.
+    async fn mirror_audit(&self, route: &str) -> Result<(), RoutingError> {
+        let done = self.store.get_mirrored(route).await?;
+        let mut fresh: Vec<_> = self
+            .store
+            .audit(route, hindsight_routing::store::AUDIT_KEPT)
+            .await?
+            .into_iter()
+            .filter(|a| a.generation > done)
+            .collect();
+        if fresh.is_empty() {
+            return Ok(());
         }
+        fresh.sort_by_key(|a| a.generation);
+        let mut last = done;
+        for audit in &fresh {
+            match serde_json::to_vec(audit) {
+                Ok(bytes) => {
+                    let id =
+                        uuid::Uuid::parse_str(&audit.id).unwrap_or_else(|_| uuid::Uuid::now_v7());
+                    self.audit
+                        .submit(Topic::Rollouts, audit.route.clone(), id, bytes.into());
+                }
+                Err(e) => tracing::error!(error = %e, "Audit record could not be serialised."),
+            }
+            last = audit.generation;
+        }
+        self.store.put_mirrored(route, last).await
     }
 
     /// Reads both topics and ticks every `eval_interval_ms` until `shutdown` resolves.

@@ -11,8 +11,9 @@ use hindsight_routing::{
 };
 use serde_json::Value;
 
-/// Attempts when a write races another writer.
-const CAS_ATTEMPTS: usize = 8;
+/// Attempts when a write races another writer (each after a short random pause, so two
+/// writers in lock-step fall out of it).
+const CAS_ATTEMPTS: usize = 32;
 
 /// What to do to a route.
 #[derive(Debug, Clone, PartialEq)]
@@ -285,6 +286,9 @@ pub async fn execute(
             Err(e @ RoutingError::Conflict { .. }) => {
                 metrics::counter!("hindsight_rollout_cas_conflicts_total").increment(1);
                 last = Some(e);
+                // 1–16 ms, from the random bits of a v7 uuid.
+                let jitter = (uuid::Uuid::now_v7().as_u128() & 0xf) as u64 + 1;
+                tokio::time::sleep(std::time::Duration::from_millis(jitter)).await;
             }
             Err(e) => return Err(e),
         }
