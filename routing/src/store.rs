@@ -405,7 +405,7 @@ impl RoutingStore {
     }
 
     /// Removes every key of this store (tests). Running proxies keep the routes they hold (they
-/// never drop a route or go back a generation): restart them after clearing.
+    /// never drop a route or go back a generation): restart them after clearing.
     pub async fn clear(&self) -> Result<(), RoutingError> {
         let pattern = format!("{}:*", self.cfg.key_prefix);
         self.retrying("clear", |mut c, _| {
