@@ -10,7 +10,7 @@
 //! canary traffic, which has had no time to collect complaints, does not look better than old
 //! stable traffic. Feedback arriving after maturation is counted as late and ignored.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use hindsight_feedback::{FeedbackRecord, FeedbackTarget, FeedbackValue, InteractionRecord};
 use serde::Serialize;
@@ -172,9 +172,17 @@ pub struct OnlineMetrics {
     arms: HashMap<ArmKey, ArmMetrics>,
     pending: HashMap<Uuid, Pending>,
     by_episode: HashMap<String, HashSet<Uuid>>,
-    /// Feedback that arrived after its exposure matured (ignored).
+    /// Feedback read before its interaction: (target, value, event time), oldest first.
+    orphans: HashMap<String, Vec<(FeedbackTarget, FeedbackValue, i64)>>,
+    /// Waiting feedback's keys in arrival order, for expiry.
+    orphan_order: VecDeque<(String, i64)>,
+    /// Feedback that never found a pending exposure (it came after maturation, or concerns
+    /// traffic outside any rollout).
     pub late_feedback: u64,
 }
+
+/// Feedback kept waiting for its interaction, at most.
+const ORPHANS_KEPT: usize = 100_000;
 
 impl OnlineMetrics {
     /// Metrics with these bounds and maturation time (bounds must be finite and positive).
@@ -193,6 +201,8 @@ impl OnlineMetrics {
             arms: HashMap::new(),
             pending: HashMap::new(),
             by_episode: HashMap::new(),
+            orphans: HashMap::new(),
+            orphan_order: VecDeque::new(),
             late_feedback: 0,
         })
     }
@@ -262,11 +272,30 @@ impl OnlineMetrics {
                 scores: Vec::new(),
             },
         );
+        self.adopt_orphans(rec.interaction_id, &rec.episode_id);
     }
 
-    /// Attaches feedback to the pending exposures it targets.
+    /// Attaches feedback to the pending exposures it targets. Feedback read before its
+    /// interaction (the two topics are read side by side, in no order across them) waits,
+    /// bounded, for the interaction to arrive.
     pub fn feedback(&mut self, rec: &FeedbackRecord) {
-        let ids: Vec<Uuid> = match &rec.target {
+        if !self.attach(&rec.target, &rec.value) {
+            if self.orphan_order.len() >= ORPHANS_KEPT {
+                self.expire_orphans(i64::MIN, 1);
+            }
+            let key = rec.target.key();
+            self.orphans.entry(key.clone()).or_default().push((
+                rec.target.clone(),
+                rec.value.clone(),
+                rec.event_time_ms,
+            ));
+            self.orphan_order.push_back((key, rec.event_time_ms));
+        }
+    }
+
+    /// Applies one feedback value to the pending exposures of `target`; false if none.
+    fn attach(&mut self, target: &FeedbackTarget, value: &FeedbackValue) -> bool {
+        let ids: Vec<Uuid> = match target {
             FeedbackTarget::Interaction(id) => vec![*id],
             FeedbackTarget::Episode(e) => self
                 .by_episode
@@ -281,7 +310,7 @@ impl OnlineMetrics {
             };
             matched = true;
             p.any_feedback = true;
-            match &rec.value {
+            match value {
                 FeedbackValue::Thumbs(up) => {
                     p.positive |= *up;
                     p.negative |= !*up;
@@ -297,8 +326,45 @@ impl OnlineMetrics {
                 FeedbackValue::Comment(_) | FeedbackValue::Retraction => {}
             }
         }
-        if !matched {
-            self.late_feedback += 1;
+        matched
+    }
+
+    /// Applies waiting feedback that targets `interaction_id` or `episode` (episode feedback
+    /// keeps waiting: it concerns the episode's later turns too).
+    fn adopt_orphans(&mut self, interaction_id: Uuid, episode: &str) {
+        if self.orphans.is_empty() {
+            return;
+        }
+        if let Some(waiting) = self.orphans.remove(&interaction_id.to_string()) {
+            for (target, value, _) in &waiting {
+                self.attach(target, value);
+            }
+        }
+        if let Some(waiting) = self.orphans.get(episode).cloned() {
+            for (target, value, _) in &waiting {
+                self.attach(target, value);
+            }
+        }
+    }
+
+    /// Drops waiting feedback older than `before` (at least `at_least` entries when that many
+    /// wait), counting it as late.
+    fn expire_orphans(&mut self, before: i64, at_least: usize) {
+        let mut dropped = 0;
+        while let Some((key, at)) = self.orphan_order.front().cloned() {
+            if at >= before && dropped >= at_least {
+                break;
+            }
+            self.orphan_order.pop_front();
+            dropped += 1;
+            if let Some(v) = self.orphans.get_mut(&key) {
+                let n = v.len();
+                v.retain(|o| o.2 != at);
+                self.late_feedback += (n - v.len()) as u64;
+                if v.is_empty() {
+                    self.orphans.remove(&key);
+                }
+            }
         }
     }
 
@@ -306,6 +372,8 @@ impl OnlineMetrics {
     /// and counts the turns of every episode quiet for that long.
     pub fn mature(&mut self, now_ms: i64) {
         let cutoff = now_ms - self.maturation_ms;
+        // Feedback that waited a maturation time plus ten minutes for its interaction is late.
+        self.expire_orphans(cutoff - 600_000, 0);
         let closed: Vec<(ArmKey, String)> = self
             .episodes
             .iter()
@@ -368,4 +436,105 @@ fn answer_shape(response: Option<&Value>) -> (bool, f64, f64) {
         .and_then(Value::as_f64)
         .unwrap_or_else(|| content.split_whitespace().count() as f64);
     (content.trim().is_empty() && tools == 0.0, length, tools)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hindsight_feedback::{
+        AssignmentRecord, EpisodeSource, Timings, FEEDBACK_SCHEMA, INTERACTION_SCHEMA,
+    };
+    use serde_json::json;
+
+    fn interaction(arm: &str) -> InteractionRecord {
+        InteractionRecord {
+            schema: INTERACTION_SCHEMA.into(),
+            interaction_id: Uuid::now_v7(),
+            episode_id: format!("ep-{}", Uuid::now_v7()),
+            episode_source: EpisodeSource::Header,
+            event_time_ms: 1_000,
+            route: "default".into(),
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            request: json!({}),
+            response: Some(json!({"choices": [{"message": {"content": "two words"}}]})),
+            status: 200,
+            streamed: false,
+            timings: Timings {
+                upstream_headers_ms: 5.0,
+                total_ms: 10.0,
+            },
+            adapter: None,
+            behaviour: None,
+            error: None,
+            assignment: Some(AssignmentRecord {
+                route: "support".into(),
+                arm: arm.into(),
+                version: "support@2".into(),
+                rollout_id: Some("r1".into()),
+                probability: 0.5,
+            }),
+        }
+    }
+
+    fn thumbs(target: FeedbackTarget, up: bool) -> FeedbackRecord {
+        FeedbackRecord {
+            schema: FEEDBACK_SCHEMA.into(),
+            feedback_id: Uuid::now_v7(),
+            target,
+            value: FeedbackValue::Thumbs(up),
+            metric: None,
+            source: None,
+            rater: None,
+            tags: vec![],
+            retracts: None,
+            event_time_ms: 1_500,
+        }
+    }
+
+    fn metrics() -> OnlineMetrics {
+        let b = MetricBounds {
+            latency_ms: 1000.0,
+            length_tokens: 16.0,
+            tool_calls: 2.0,
+            turns: 8.0,
+            slow_ms: 500.0,
+        };
+        OnlineMetrics::new(b, 100).unwrap()
+    }
+
+    #[test]
+    fn feedback_read_before_its_interaction_still_counts() {
+        let mut m = metrics();
+        let a = interaction("canary");
+        let b = interaction("canary");
+        m.feedback(&thumbs(
+            FeedbackTarget::Interaction(a.interaction_id),
+            false,
+        ));
+        m.feedback(&thumbs(FeedbackTarget::Episode(b.episode_id.clone()), true));
+        m.interaction(&a);
+        m.interaction(&b);
+        m.mature(10_000);
+        let arm = m.arm("support", "r1", "canary").unwrap();
+        assert_eq!(
+            (
+                arm.matured(),
+                arm.matured_with_feedback,
+                arm.negative.events,
+                arm.positive
+            ),
+            (2, 2, 1, 1)
+        );
+        assert_eq!(arm.length_tokens.mean(), Some(2.0));
+    }
+
+    #[test]
+    fn feedback_that_never_finds_its_interaction_expires_as_late() {
+        let mut m = metrics();
+        m.feedback(&thumbs(FeedbackTarget::Interaction(Uuid::now_v7()), false));
+        m.mature(1_000_000);
+        assert_eq!(m.late_feedback, 1);
+        assert!(m.orphans.is_empty() && m.orphan_order.is_empty());
+    }
 }
