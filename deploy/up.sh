@@ -171,7 +171,7 @@ stages = [0.25, 0.5, 1.0]
 min_stage_ms = 30000
 min_exposures = 8
 min_matured_feedback = 4
-maturation_ms = 5000
+maturation_ms = 60000
 admin_addr = "127.0.0.1:9466"
 TOML
 HINDSIGHT_ROLLOUT__ADMIN_TOKEN="${HINDSIGHT_ADMIN_TOKEN:-local-demo-admin-token}" \
