@@ -20,7 +20,7 @@ pub use log::{
     ensure_topics, FlushReport, LogConfig, LogError, LogHandle, LogStats, RecordLog, TopicNames,
     ValidatedLogConfig, ID_HEADER,
 };
-pub use reader::{check_position, PositionCheck, Positions, RawRecord, TopicReader};
+pub use reader::{check_position, end_offsets, PositionCheck, Positions, RawRecord, TopicReader};
 pub use records::{
     now_ms, AssignmentRecord, Behaviour, Correction, CorrectionMessage, DeadLetterRecord,
     EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackEvent, FeedbackRecord, FeedbackTarget,

@@ -265,6 +265,33 @@ impl PositionCheck {
     }
 }
 
+/// The end of every partition of `topics`: the offset the next record written there will get
+/// (its high watermark). A reader that has read up to these has read everything written before
+/// the call. Blocking (one metadata and one watermark query per partition): call it off the
+/// async workers.
+pub fn end_offsets(
+    client: &ClientConfig,
+    topics: &[String],
+    timeout: Duration,
+) -> Result<Positions, LogError> {
+    let mut client = client.clone();
+    client
+        .set("group.id", "hindsight-end-offsets")
+        .set("enable.auto.commit", "false");
+    let consumer: BaseConsumer = client.create()?;
+    let mut ends = Positions::new();
+    for name in topics {
+        let md = consumer.fetch_metadata(Some(name), timeout)?;
+        for t in md.topics().iter().filter(|t| t.name() == name) {
+            for p in t.partitions() {
+                let (_, high) = consumer.fetch_watermarks(name, p.id(), timeout)?;
+                ends.insert((name.clone(), p.id()), high);
+            }
+        }
+    }
+    Ok(ends)
+}
+
 /// Checks a saved position (`next` = the next offset to read, `last_id` = the `hindsight-id` of
 /// the record at `next - 1` when it was read) against `topic`/`partition` now. Blocking (one
 /// watermark query and at most one fetch): call it at start-up, off the async workers.

@@ -605,3 +605,131 @@ async fn a_redis_kill_during_a_rollout_loses_no_decision() {
         "a decision was lost or repeated"
     );
 }
+
+/// A controller (re)started on a backlog — interactions from ten minutes ago, each answered by
+/// a thumbs within seconds — matures the exposures by how far it has read the feedback topic,
+/// not by the wall clock: every exposure ends with its feedback counted. Maturing by the clock
+/// would close them all at the first tick, before their feedback was read, as feedback-free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_controller_catching_up_on_a_backlog_counts_its_feedback() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    const N: usize = 400;
+    let redis = Redis::start();
+    let prefix = format!("hindsight:test:{}", uuid::Uuid::now_v7().simple());
+    let topics = format!("test-{}", uuid::Uuid::now_v7().simple());
+    let s = store(&redis.url(), &prefix);
+    let set = Op::SetStable {
+        stable: "support@1".into(),
+    };
+    rollout::execute(&s, &req("test", "init"), &set)
+        .await
+        .unwrap();
+    let start = Op::Start {
+        canary: "support@2".into(),
+        stages: vec![0.5, 1.0],
+        rollout_id: None,
+    };
+    let (route, _) = rollout::execute(&s, &req("test", "start"), &start)
+        .await
+        .unwrap();
+    let rollout_id = route.rollout.unwrap().id;
+    let dir = tempfile::tempdir().unwrap();
+    let log = LogConfig {
+        brokers: brokers(),
+        topic_prefix: topics.clone(),
+        spill_dir: dir.path().join("spill"),
+        ..LogConfig::default()
+    }
+    .validate()
+    .unwrap();
+    let names = [Topic::Interactions, Topic::Feedback].map(|t| log.topics().get(t).to_string());
+    hindsight_feedback::ensure_topics(&log.client_config(), &names, 1, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    // The canary's answers all get a thumbs-down five seconds later; the stable's a thumbs-up.
+    let t0 = hindsight_feedback::now_ms() - 600_000;
+    let mut records = Vec::new();
+    let mut answers = Vec::new();
+    for i in 0..N {
+        let arm = if i % 2 == 0 { "canary" } else { "stable" };
+        let at = t0 + i as i64 * 100;
+        let rec = json!({
+            "schema": hindsight_feedback::INTERACTION_SCHEMA,
+            "interaction_id": uuid::Uuid::now_v7(),
+            "episode_id": format!("ep-{i}"),
+            "episode_source": "header",
+            "event_time_ms": at,
+            "route": "default", "method": "POST", "path": "/v1/chat/completions",
+            "request": {}, "status": 200, "streamed": false,
+            "response": {"choices": [{"message": {"content": "an answer"}}]},
+            "timings": {"upstream_headers_ms": 5.0, "total_ms": 10.0},
+            "assignment": {"route": "support", "arm": arm,
+                "version": if arm == "canary" { "support@2" } else { "support@1" },
+                "rollout_id": rollout_id, "probability": 0.5},
+        });
+        let ir: hindsight_feedback::InteractionRecord = serde_json::from_value(rec).unwrap();
+        let mut fb = thumbs(ir.interaction_id, arm == "stable");
+        fb.event_time_ms = at + 5_000;
+        records.push((
+            0,
+            ir.episode_id.clone(),
+            serde_json::to_vec(&ir).unwrap(),
+            at,
+        ));
+        answers.push((
+            1,
+            fb.target.key(),
+            serde_json::to_vec(&fb).unwrap(),
+            fb.event_time_ms,
+        ));
+    }
+    records.extend(answers);
+    // The broker's timestamps are the records' own times, as if written when they happened.
+    let producer: FutureProducer = log.client_config().create().unwrap();
+    let sent = records.iter().map(|(topic, key, payload, ts)| {
+        producer.send(
+            FutureRecord::to(&names[*topic])
+                .key(key)
+                .payload(payload)
+                .timestamp(*ts),
+            Duration::from_secs(20),
+        )
+    });
+    for r in futures::future::join_all(sent).await {
+        r.map_err(|(e, _)| e).unwrap();
+    }
+
+    let cfg = RolloutConfig {
+        stages: vec![0.5, 1.0],
+        min_exposures: 1_000_000, // never advances: the test reads the counts
+        maturation_ms: 60_000,
+        eval_interval_ms: 20,
+        ..RolloutConfig::default()
+    };
+    let (audit_log, handle) = rollout::controller::audit_log(log.clone()).await.unwrap();
+    let controller = Controller::new(cfg, store(&redis.url(), &prefix), handle).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        controller
+            .run(&log, async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let canary = loop {
+        let status = s.get_status("support").await.unwrap();
+        let canary = status.map(|v| v["stats"]["canary"].clone());
+        if let Some(c) = canary.filter(|c| c["matured"] == json!(N / 2)) {
+            break c;
+        }
+        assert!(Instant::now() < deadline, "the backlog never matured");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+    audit_log.shutdown(Duration::from_secs(10)).await;
+    println!("canary after catching up: {canary}");
+    assert_eq!(canary["feedback_coverage"], json!(1.0), "{canary}");
+    assert_eq!(canary["negative_rate"], json!(1.0), "{canary}");
+}

@@ -307,3 +307,63 @@ fn config_defaults_and_unknown_fields() {
     assert_eq!(c, RegistryConfig::default());
     assert!(serde_json::from_str::<RegistryConfig>(r#"{"adapter_directory": "x"}"#).is_err());
 }
+
+/// The controller's per-tick reconciliation repairs a registry that missed a rollout decision
+/// (a writer that gave up during a Redis outage): the canary's status follows the route.
+#[tokio::test]
+async fn reconcile_brings_the_registry_in_line_with_the_rollout() {
+    use hindsight_routing::{Change, Rollout, RolloutState, Route};
+    let (reg, _dir) = registry().await;
+    let a = adapter(3, LoraInit::Peft);
+    let e = reg.register(new_version("recon", &a, None)).await.unwrap();
+    assert_eq!(e.status, VersionStatus::Candidate);
+    let change = Change {
+        id: "c1".into(),
+        by: "controller".into(),
+        action: "advance".into(),
+        reason: "promote: stage minimums met".into(),
+        at_ms: 1,
+    };
+    let mut route = Route::new("support", "base", change);
+    route.generation = 4;
+    route.rollout = Some(Rollout {
+        id: "r1".into(),
+        canary: format!("recon@{}", e.version),
+        weight: 1.0,
+        stage: 2,
+        stages: vec![0.25, 0.5, 1.0],
+        state: RolloutState::Running,
+        started_ms: 1,
+        stage_started_ms: 1,
+    });
+    let status = || async { reg.get("recon", e.version).await.unwrap().unwrap().status };
+    crate::rollout::lineage::reconcile(&reg, &route)
+        .await
+        .unwrap();
+    assert_eq!(status().await, VersionStatus::Canary);
+    for (state, want) in [
+        (RolloutState::Promoted, VersionStatus::Live),
+        (RolloutState::RolledBack, VersionStatus::RolledBack),
+    ] {
+        route.rollout.as_mut().unwrap().state = state;
+        crate::rollout::lineage::reconcile(&reg, &route)
+            .await
+            .unwrap();
+        assert_eq!(status().await, want, "{state}");
+        let before = reg.get("recon", e.version).await.unwrap().unwrap();
+        crate::rollout::lineage::reconcile(&reg, &route)
+            .await
+            .unwrap();
+        let after = reg.get("recon", e.version).await.unwrap().unwrap();
+        assert_eq!(
+            before.updated_at_ms, after.updated_at_ms,
+            "agreeing: no write"
+        );
+    }
+    // A route whose canary is the base model or an unknown version changes nothing.
+    route.rollout.as_mut().unwrap().canary = "SmolLM2-135M-Instruct".into();
+    crate::rollout::lineage::reconcile(&reg, &route)
+        .await
+        .unwrap();
+    cleanup(&reg).await;
+}

@@ -165,7 +165,7 @@ async fn apply(
     let (stored, audit) = ops::execute(store, &req, op).await?;
     if let Some(reg) = registry {
         if let Err(e) = super::lineage::follow(reg, &stored, &audit).await {
-            tracing::warn!(error = %e, "The registry could not follow a rollout change.");
+            tracing::warn!(error = %e, "The registry could not follow a rollout change; the rollout controller reconciles it.");
         }
     }
     Ok((stored, audit))

@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use hindsight_core::now_ms;
 use hindsight_feedback::{
-    FeedbackRecord, InteractionRecord, LogHandle, RecordLog, Topic, TopicReader, ValidatedLogConfig,
+    FeedbackRecord, InteractionRecord, LogHandle, Positions, RawRecord, RecordLog, Topic,
+    TopicReader, ValidatedLogConfig,
 };
 use hindsight_routing::{Rollout, RolloutState, RoutingError, RoutingStore};
 use serde_json::{json, Value};
@@ -333,7 +334,7 @@ impl Controller {
                 tracing::info!(route = %stored.route, action = op.action(), %reason, "Rollout decision.");
                 if let Some(reg) = &self.registry {
                     if let Err(e) = super::lineage::follow(reg, &stored, &audit).await {
-                        tracing::warn!(error = %e, "Could not update the registry after a rollout decision; the next decision retries.");
+                        tracing::warn!(error = %e, "Could not update the registry after a rollout decision; the next tick reconciles it.");
                     }
                 }
                 Ok(())
@@ -361,13 +362,28 @@ impl Controller {
         }
     }
 
-    /// One evaluation of every route: mature feedback, decide, act, publish status.
+    /// One evaluation of every route, for a caller that has fed every record written so far
+    /// (tests feeding records by hand): [`Self::tick_at`] with the wall clock.
     pub async fn tick(&mut self) -> Result<(), RoutingError> {
+        self.tick_at(now_ms()).await
+    }
+
+    /// One evaluation of every route: mature the exposures whose feedback window has closed
+    /// *in what has been read* (`read_until_ms`: every feedback record produced before it has
+    /// been observed), decide, act, publish status. Maturing by the wall clock instead would
+    /// let a controller catching up on a backlog close old exposures before it has read their
+    /// feedback, and count them as feedback-free.
+    pub async fn tick_at(&mut self, read_until_ms: i64) -> Result<(), RoutingError> {
         let now = now_ms();
-        self.metrics.mature(now);
+        self.metrics.mature(read_until_ms.min(now));
         for parsed in self.store.load_all().await? {
             let Ok(route) = parsed else { continue };
             self.mirror_audit(&route.route).await?;
+            if let Some(reg) = &self.registry {
+                if let Err(e) = super::lineage::reconcile(reg, &route).await {
+                    tracing::warn!(error = %e, "Could not bring the registry in line with the rollout; retrying next tick.");
+                }
+            }
             if let Some(next) = super::queue::next_queued(&self.store, &route).await? {
                 let op = Op::Start {
                     canary: next.clone(),
@@ -411,9 +427,19 @@ impl Controller {
                     }
                 });
             let (decision, stats) = decide(&self.cfg, &rollout, c, s, base, now);
+            let shown = match rollout.state {
+                RolloutState::Running => format!("{decision:?}"),
+                RolloutState::Paused | RolloutState::Frozen => {
+                    format!(
+                        "{}: waiting for an operator (resume, promote or rollback)",
+                        rollout.state
+                    )
+                }
+                done => format!("finished: {done}"),
+            };
             let status = json!({
                 "route": route.route, "rollout_id": rollout.id, "state": rollout.state,
-                "decision": format!("{decision:?}"), "stats": stats, "at_ms": now,
+                "decision": shown, "stats": stats, "at_ms": now,
             });
             self.store.put_status(&route.route, &status).await?;
             if rollout.state != RolloutState::Running {
@@ -497,22 +523,52 @@ impl Controller {
                 reason: e.to_string(),
             })?;
         let names = log.topics().clone();
+        let mut progress = ReadProgress::default();
         let mut tick = tokio::time::interval(Duration::from_millis(self.cfg.eval_interval_ms));
-        tokio::pin!(shutdown);
+        // Fires after a quiet spell with nothing to read.
+        let quiet = tokio::time::sleep(QUIET);
+        tokio::pin!(shutdown, quiet);
         loop {
             tokio::select! {
-                rec = reader.recv_timeout(Duration::from_millis(100)) => {
-                    if let Ok(Some(rec)) = rec {
+                rec = reader.recv() => match rec {
+                    Ok(rec) => {
                         let topic = if rec.topic == names.get(Topic::Feedback) {
                             Topic::Feedback
                         } else {
                             Topic::Interactions
                         };
+                        progress.read(topic, &rec);
                         self.observe(topic, &rec.payload);
+                        quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
                     }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "Reading the topics failed; retrying.");
+                        tokio::time::sleep(QUIET).await;
+                    }
+                },
+                () = &mut quiet => {
+                    if !progress.knows_backlog() {
+                        // Once, at start: where the backlog ends (until then, quiet proves nothing:
+                        // the reader may not have fetched yet).
+                        let client = log.client_config();
+                        let topics = [Topic::Interactions, Topic::Feedback]
+                            .map(|t| names.get(t).to_string());
+                        let ends = tokio::task::spawn_blocking(move || {
+                            hindsight_feedback::end_offsets(&client, &topics, Duration::from_secs(5))
+                        })
+                        .await;
+                        match ends {
+                            Ok(Ok(ends)) => progress.backlog_ends(ends),
+                            Ok(Err(e)) => tracing::warn!(error = %e, "Could not read where the topics end; retrying."),
+                            Err(e) => tracing::warn!(error = %e, "Could not read where the topics end; retrying."),
+                        }
+                    }
+                    let quiet_ms = i64::try_from(QUIET.as_millis()).unwrap_or(0);
+                    progress.quiet_since(now_ms() - quiet_ms);
+                    quiet.as_mut().reset(tokio::time::Instant::now() + QUIET);
                 }
                 _ = tick.tick() => {
-                    if let Err(e) = self.tick().await {
+                    if let Err(e) = self.tick_at(progress.read_until_ms()).await {
                         tracing::warn!(error = %e, "Rollout controller tick failed; retrying next tick.");
                     }
                 }
@@ -522,9 +578,125 @@ impl Controller {
     }
 }
 
+/// How long the reader must find nothing before it counts as caught up.
+const QUIET: Duration = Duration::from_millis(200);
+
+/// How far the controller has read the feedback topic, as a time: every feedback record
+/// produced before [`ReadProgress::read_until_ms`] has been observed. It is the newest feedback
+/// timestamp read (one partition, read in order); and, once the reader has read the whole
+/// backlog it started with and then found nothing for a quiet spell, when that spell began, less
+/// [`DELIVERY_MARGIN_MS`] for records still in flight.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ReadProgress {
+    feedback_ms: i64,
+    caught_up_ms: i64,
+    /// Next offset to read per partition, as far as read.
+    next: Positions,
+    /// Where each partition ended when the controller started (`None`: not known yet).
+    ends: Option<Positions>,
+}
+
+/// Produce-to-fetch time allowed for a record written just before a quiet spell.
+pub const DELIVERY_MARGIN_MS: i64 = 1_000;
+
+impl ReadProgress {
+    /// `rec`, of `topic`, was read.
+    pub fn read(&mut self, topic: Topic, rec: &RawRecord) {
+        if let (Topic::Feedback, Some(ts)) = (topic, rec.timestamp_ms) {
+            self.feedback_ms = self.feedback_ms.max(ts);
+        }
+        let next = self
+            .next
+            .entry((rec.topic.clone(), rec.partition))
+            .or_insert(0);
+        *next = (*next).max(rec.offset + 1);
+    }
+
+    /// Whether the backlog's ends are known.
+    pub fn knows_backlog(&self) -> bool {
+        self.ends.is_some()
+    }
+
+    /// Where each partition ended at start.
+    pub fn backlog_ends(&mut self, ends: Positions) {
+        self.ends = Some(ends);
+    }
+
+    /// The reader has found nothing to read since `since_ms`: if it has read the whole backlog,
+    /// it has read everything produced before then.
+    pub fn quiet_since(&mut self, since_ms: i64) {
+        let Some(ends) = &self.ends else { return };
+        let done = ends
+            .iter()
+            .all(|(k, end)| self.next.get(k).copied().unwrap_or(0) >= *end);
+        if done {
+            self.caught_up_ms = self.caught_up_ms.max(since_ms - DELIVERY_MARGIN_MS);
+        }
+    }
+
+    /// Every feedback record produced before this time has been read.
+    pub fn read_until_ms(&self) -> i64 {
+        self.feedback_ms.max(self.caught_up_ms)
+    }
+}
+
 /// Starts the audit log (the spilling Kafka producer) for a controller or an operator command.
 pub async fn audit_log(
     log: ValidatedLogConfig,
 ) -> Result<(RecordLog, LogHandle), hindsight_feedback::LogError> {
     RecordLog::start(log).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(topic: &str, offset: i64, ts: i64) -> RawRecord {
+        RawRecord {
+            topic: topic.into(),
+            partition: 0,
+            offset,
+            key: None,
+            id: None,
+            payload: bytes::Bytes::new(),
+            timestamp_ms: Some(ts),
+        }
+    }
+
+    #[test]
+    fn read_progress_follows_feedback_read_not_the_clock() {
+        let mut p = ReadProgress::default();
+        assert_eq!(p.read_until_ms(), 0, "nothing read: nothing may mature");
+        p.quiet_since(100_000);
+        assert_eq!(
+            p.read_until_ms(),
+            0,
+            "quiet before the backlog is known proves nothing"
+        );
+        let ends = Positions::from([(("i".into(), 0), 1), (("f".into(), 0), 2)]);
+        p.backlog_ends(ends);
+        p.read(Topic::Interactions, &record("i", 0, 50_000));
+        assert_eq!(
+            p.read_until_ms(),
+            0,
+            "interactions say nothing about feedback"
+        );
+        p.read(Topic::Feedback, &record("f", 0, 10_000));
+        assert_eq!(p.read_until_ms(), 10_000);
+        p.quiet_since(100_000);
+        assert_eq!(
+            p.read_until_ms(),
+            10_000,
+            "quiet inside the backlog proves nothing"
+        );
+        p.read(Topic::Feedback, &record("f", 1, 20_000));
+        p.quiet_since(100_000);
+        assert_eq!(p.read_until_ms(), 100_000 - DELIVERY_MARGIN_MS);
+        p.read(Topic::Feedback, &record("f", 2, 30_000));
+        assert_eq!(
+            p.read_until_ms(),
+            100_000 - DELIVERY_MARGIN_MS,
+            "never backwards"
+        );
+    }
 }
