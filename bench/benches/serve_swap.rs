@@ -18,10 +18,6 @@ use hindsight_model::{Adapter, LoraConfig, LoraInit, LoraTarget, ModelBundle};
 use hindsight_serve::{run_serve, ServeArgs, ServeError};
 use serde_json::json;
 
-fn workspace() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     v[((v.len() - 1) as f64 * p).round() as usize]
@@ -39,14 +35,7 @@ fn main() -> Result<()> {
 }
 
 async fn run() -> Result<()> {
-    let model = std::env::var_os("HINDSIGHT_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    ensure!(
-        model.exists(),
-        "{} missing: run deploy/fetch-model.sh",
-        model.display()
-    );
+    let model = hindsight_model::testing::default_model_path()?;
     let swaps: usize = std::env::var("HINDSIGHT_BENCH_SWAPS")
         .ok()
         .and_then(|s| s.parse().ok())

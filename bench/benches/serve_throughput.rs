@@ -5,7 +5,6 @@
 // Each stream sends `HINDSIGHT_BENCH_REQUESTS` (default 2) streamed chat requests in a row
 // (temperature 0.8, max_tokens 64); tokens/s = completion tokens of all streams / wall time.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
@@ -48,17 +47,7 @@ fn main() -> Result<()> {
 }
 
 async fn run() -> Result<()> {
-    let model = std::env::var_os("HINDSIGHT_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
-    ensure!(
-        model.exists(),
-        "{} missing: run deploy/fetch-model.sh",
-        model.display()
-    );
+    let model = hindsight_model::testing::default_model_path()?;
     let per_stream: usize = std::env::var("HINDSIGHT_BENCH_REQUESTS")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -52,14 +52,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() -> Result<()> {
     // First, while this is the only thread: it writes the environment.
     hindsight_model::settle_cpu_threads();
-    let path = std::env::var_os("HINDSIGHT_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
-    anyhow::ensure!(
-        path.exists(),
-        "{} missing: run deploy/fetch-model.sh",
-        path.display()
-    );
+    let path = hindsight_model::testing::default_model_path()?;
     let steps: usize = std::env::var("HINDSIGHT_BENCH_STEPS")
         .ok()
         .and_then(|s| s.parse().ok())

@@ -126,9 +126,8 @@ fn main() -> anyhow::Result<()> {
     let wanted = args
         .next()
         .unwrap_or_else(|| "student:0,control:0,student:1,control:1".into());
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let bundle = ModelBundle::load(
-        &root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        &hindsight_model::testing::default_model_path()?,
         DType::F32,
         &Device::Cpu,
     )?;

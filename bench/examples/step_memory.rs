@@ -11,7 +11,6 @@
 //! (does memory creep over a run?). `--prefix-grad false` runs the trainer with the prompt's pass detached
 //! (`TrainerConfig::prefix_grad`).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -131,8 +130,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
 
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let path = root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = hindsight_model::testing::default_model_path()?;
     let bundle = ModelBundle::load(&path, DType::F32, &Device::Cpu)
         .with_context(|| format!("{} (run deploy/fetch-model.sh)", path.display()))?;
     let vocab = bundle.config.vocab_size as u32;

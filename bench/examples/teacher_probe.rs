@@ -48,9 +48,8 @@ fn main() -> anyhow::Result<()> {
         Some("rule") => CritiqueStyle::Rule,
         _ => CritiqueStyle::RuleAndValue,
     };
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let bundle = ModelBundle::load(
-        &root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+        &hindsight_model::testing::default_model_path()?,
         DType::F32,
         &Device::Cpu,
     )?;

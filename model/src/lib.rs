@@ -15,6 +15,8 @@ mod tokenizer;
 
 pub mod grammar;
 pub mod ops;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use chat::{content_text, prompt_tools, tool_instructions, ChatInputError, ChatTemplate};
 pub use config::{Architecture, HfConfig, ModelConfig};

@@ -3,16 +3,15 @@
 // Test code: helpers outside #[test] fns may unwrap too.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod common;
-
-use common::default_model_path;
 use hindsight_model::candle_core::{DType, Device};
+use hindsight_model::testing::default_model_path;
 use hindsight_model::{decode, encode, generate_greedy, AdapterSelection, ModelBundle};
 use serde_json::json;
 
 #[test]
 fn default_model_loads_and_answers_paris() {
-    let bundle = ModelBundle::load(&default_model_path(), DType::F32, &Device::Cpu).unwrap();
+    let bundle =
+        ModelBundle::load(&default_model_path().unwrap(), DType::F32, &Device::Cpu).unwrap();
     let cfg = &bundle.config;
     assert_eq!(
         (

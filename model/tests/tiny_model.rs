@@ -11,6 +11,7 @@ use common::*;
 use hindsight_model::candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use hindsight_model::candle_core::{DType, Device, Tensor, D};
 use hindsight_model::candle_nn::{AdamW, Optimizer, ParamsAdamW};
+use hindsight_model::testing::{tiny_tokenizer, tiny_tokenizer_spec};
 use hindsight_model::{
     ops, save_hf_weights, Adapter, AdapterSelection, AdapterSet, Architecture, BatchLayout,
     ChatTemplate, KvCache, LoraConfig, LoraInit, LoraTarget, Model, ModelBundle, PaddingSide,
@@ -348,6 +349,7 @@ fn hf_directory_round_trip() {
     )
     .unwrap();
     tiny_tokenizer()
+        .unwrap()
         .save(dir.path().join("tokenizer.json"), false)
         .unwrap();
     std::fs::write(

@@ -8,6 +8,7 @@ mod common;
 use std::sync::OnceLock;
 
 use common::*;
+use hindsight_model::testing::default_model_path;
 use hindsight_serve::{app, run_serve, ServeArgs, ServeState};
 use serde_json::{json, Value};
 
@@ -18,7 +19,7 @@ fn real_args() -> ServeArgs {
         #[command(flatten)]
         serve: ServeArgs,
     }
-    let model = default_model_path();
+    let model = default_model_path().unwrap();
     Cli::parse_from([
         "x",
         "--model",

@@ -1,5 +1,5 @@
-//! Shared test helpers: a tiny random model behind the real server, request helpers, the real
-//! model's path.
+//! Shared test helpers: a tiny random model behind the real server, request helpers. The tiny
+//! tokenizer and config and the real model's path come from `hindsight_model::testing`.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::{Path, PathBuf};
@@ -9,70 +9,20 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use hindsight_model::candle_core::Device;
-use hindsight_model::tokenizers::Tokenizer;
 use hindsight_model::{
-    Adapter, Architecture, ChatTemplate, GgufTokenizerSpec, LoraConfig, LoraInit, Model,
-    ModelBundle, ModelConfig,
+    testing, Adapter, Architecture, ChatTemplate, LoraConfig, LoraInit, Model, ModelBundle,
+    ModelConfig,
 };
 use hindsight_serve::{app, EngineConfig, ServeConfig, ServeState};
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tower::ServiceExt;
 
-/// GPT-2's byte-to-unicode table: the byte-level BPE alphabet.
-pub fn byte_alphabet() -> Vec<String> {
-    let mut bs: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    let mut pairs: Vec<(u32, u32)> = bs.into_iter().zip(cs).collect();
-    pairs.sort();
-    pairs
-        .into_iter()
-        .map(|(_, c)| char::from_u32(c).unwrap().to_string())
-        .collect()
-}
-
-/// A byte-level BPE: 3 special tokens, the 256 bytes and a few merges.
-pub fn tiny_tokenizer() -> Tokenizer {
-    let mut tokens = vec![
-        "<|endoftext|>".to_string(),
-        "<|im_start|>".to_string(),
-        "<|im_end|>".to_string(),
-    ];
-    let mut types = vec![3i64, 3, 3];
-    for b in byte_alphabet() {
-        tokens.push(b);
-        types.push(1);
-    }
-    let merges = vec!["h e".to_string(), "l l".to_string(), "he ll".to_string()];
-    for m in &merges {
-        tokens.push(m.replace(' ', ""));
-        types.push(1);
-    }
-    GgufTokenizerSpec {
-        model: "gpt2".into(),
-        pre: Some("smollm".into()),
-        tokens,
-        token_types: types,
-        merges,
-        scores: vec![],
-    }
-    .build()
-    .unwrap()
-}
-
 pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
+/// The shared tiny Llama config, with room for longer conversations than the model crate's tests.
 pub fn tiny_config() -> ModelConfig {
-    let mut cfg = ModelConfig::tiny(Architecture::Llama);
-    cfg.vocab_size = 3 + 256 + 3;
+    let mut cfg = testing::tiny_config(Architecture::Llama);
     cfg.max_position_embeddings = 2048;
     cfg
 }
@@ -87,7 +37,7 @@ pub fn tiny_bundle() -> ModelBundle {
             &Device::Cpu,
         )
         .unwrap(),
-        tokenizer: tiny_tokenizer(),
+        tokenizer: testing::tiny_tokenizer().unwrap(),
         chat_template: Some(ChatTemplate::new(CHATML, "", "<|im_end|>").unwrap()),
         config,
         eos_token_ids: vec![2],
@@ -188,17 +138,6 @@ pub fn sse_data(text: &str) -> Vec<String> {
         .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
         .map(|s| s.trim().to_string())
         .collect()
-}
-
-/// The real default model ([`hindsight_model::default_model_path`]), which must exist.
-pub fn default_model_path() -> PathBuf {
-    let p = hindsight_model::default_model_path();
-    assert!(
-        p.exists(),
-        "default model not found at {} - run deploy/fetch-model.sh first (or set HINDSIGHT_MODEL)",
-        p.display()
-    );
-    p
 }
 
 pub fn arc<T>(t: T) -> Arc<T> {
