@@ -1,9 +1,14 @@
 //! The eval gate end to end, on real parts: `hindsight serve` in-process on the real default
 //! model (SmolLM2-135M-Instruct Q4_1), the real Redis, the adapter registry and
 //! `gate_and_publish`. A candidate that wrecks the answers is rejected and never serves; a
-//! harmless one passes the gate and goes live.
+//! harmless one passes the gate and goes live; with `publish.rollout = "canary"` the next one
+//! is handed to the rollout controller, which promotes it on traffic through a proxy process.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "rollout/common.rs"]
+#[allow(dead_code)]
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -355,8 +360,9 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
 
 /// `publish.rollout = "canary"`: an accepted candidate is loaded as `support@4` beside the live
 /// `support@3`, queued on the route (created with the live version as stable) and marked
-/// `canary`; the controller starts its rollout; an operator's promotion makes it `live` and
-/// retires v3, the registry following the routing table.
+/// `canary`; the controller starts its rollout and, on real answers of the real model through a
+/// `hindsight proxy` process (each judged with a thumbs-up), advances it and promotes it by
+/// itself: `support@4` goes `live`, v3 is retired, and the audit trail explains each step.
 async fn canary_handover(
     reg: &Registry,
     cfg: &PublishConfig,
@@ -366,7 +372,7 @@ async fn canary_handover(
     model_cfg: &ModelConfig,
     base_sha: &str,
 ) {
-    use hindsight_control::rollout::{self, Controller, Op, RolloutConfig};
+    use hindsight_control::rollout::{self, Controller, RolloutConfig};
     let store = hindsight_routing::RoutingStore::new(hindsight_routing::StoreConfig {
         redis_url: redis_url.into(),
         key_prefix: format!("{prefix}:routing"),
@@ -405,16 +411,26 @@ async fn canary_handover(
     assert_eq!(adapter_header(endpoint, "support@3").await, "support@3");
     assert_eq!(adapter_header(endpoint, "support@4").await, "support@4");
 
+    let topics = format!("test-{}", uuid::Uuid::now_v7().simple());
     let log = hindsight_feedback::LogConfig {
-        brokers: std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into()),
-        topic_prefix: format!("test-{}", uuid::Uuid::now_v7().simple()),
+        brokers: common::brokers(),
+        topic_prefix: topics.clone(),
         spill_dir: tempfile::tempdir().unwrap().keep(),
         ..hindsight_feedback::LogConfig::default()
     }
     .validate()
     .unwrap();
-    let (audit_log, audit) = rollout::controller::audit_log(log).await.unwrap();
-    let mut controller = Controller::new(RolloutConfig::default(), store, audit)
+    let (audit_log, audit) = rollout::controller::audit_log(log.clone()).await.unwrap();
+    // Demo-sized stages, so the test sees a whole rollout in a few dozen real answers.
+    let rollout_cfg = RolloutConfig {
+        stages: vec![0.5, 1.0],
+        min_stage_ms: 0,
+        min_exposures: 6,
+        min_matured_feedback: 4,
+        maturation_ms: 0,
+        ..RolloutConfig::default()
+    };
+    let mut controller = Controller::new(rollout_cfg, store, audit)
         .unwrap()
         .with_registry(Registry::connect(reg.config().clone()).await.unwrap());
     controller.tick().await.unwrap();
@@ -431,7 +447,7 @@ async fn canary_handover(
         .expect("the controller started the queued candidate");
     assert_eq!(
         (r.canary.as_str(), r.state.as_str(), r.weight),
-        ("support@4", "running", 0.01)
+        ("support@4", "running", 0.5)
     );
     let entry = reg.get(NAME, 4).await.unwrap().unwrap();
     assert!(
@@ -440,22 +456,79 @@ async fn canary_handover(
         entry.note
     );
 
-    let (stored, record) = rollout::execute(
-        &store,
-        &rollout::Request {
-            route: NAME,
-            by: "operator:test",
-            reason: "looks good",
-            expected_generation: None,
-            stats: json!({}),
-        },
-        &Op::Promote,
-    )
-    .await
-    .unwrap();
-    rollout::lineage::follow(reg, &stored, &record)
-        .await
+    // Traffic: users asking the route `support` through a proxy in front of `hindsight serve`;
+    // the controller reads what the proxy logged and each answer's thumbs-up.
+    let upstream: std::net::SocketAddr = endpoint
+        .trim_start_matches("http://")
+        .trim_end_matches("/v1")
+        .parse()
         .unwrap();
+    let proxy = common::Proxy::start(upstream, redis_url, &format!("{prefix}:routing"), &topics);
+    let reader = hindsight_feedback::TopicReader::new(
+        &log,
+        &format!("t-{}", uuid::Uuid::now_v7()),
+        &[hindsight_feedback::Topic::Interactions],
+    )
+    .unwrap();
+    let client = reqwest::Client::new();
+    // The proxy has the route from Redis (not just its fallback) before traffic starts.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while proxy.generation(&client).await < route.generation {
+        assert!(
+            Instant::now() < deadline,
+            "the proxy never loaded the route"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut served = std::collections::BTreeMap::<String, usize>::new();
+    let started = Instant::now();
+    let mut state = String::from("running");
+    for n in 0..120 {
+        let q = ITEMS[n % ITEMS.len()].1;
+        let resp = client
+            .post(format!(
+                "http://127.0.0.1:{}/v1/chat/completions",
+                proxy.port
+            ))
+            .header("x-hindsight-user", format!("user-{n}"))
+            .json(&json!({"model": NAME, "max_tokens": 8, "temperature": 0.0,
+                "messages": [{"role": "user", "content": q}]}))
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status();
+        assert_eq!(status, 200, "{}", resp.text().await.unwrap_or_default());
+        while let Ok(Some(rec)) = reader.recv_timeout(Duration::from_millis(500)).await {
+            let ir: hindsight_feedback::InteractionRecord = rec.decode().unwrap();
+            let a = ir.assignment.clone().unwrap();
+            *served
+                .entry(format!("{} {}", a.arm, a.version))
+                .or_default() += 1;
+            controller.observe(hindsight_feedback::Topic::Interactions, &rec.payload);
+            let fb = common::thumbs(ir.interaction_id, true);
+            let fb = serde_json::to_vec(&fb).unwrap();
+            controller.observe(hindsight_feedback::Topic::Feedback, &fb);
+        }
+        controller.tick().await.unwrap();
+        state = store
+            .get(NAME)
+            .await
+            .unwrap()
+            .unwrap()
+            .rollout
+            .unwrap()
+            .state
+            .to_string();
+        if state != "running" {
+            break;
+        }
+    }
+    eprintln!(
+        "canary rollout on the real model: {state} after {:.1}s; served {served:?}",
+        started.elapsed().as_secs_f64()
+    );
+    assert_eq!(state, "promoted", "served {served:?}");
+    let stored = store.get(NAME).await.unwrap().unwrap();
     assert_eq!(stored.stable, "support@4");
     assert_eq!(reg.live(NAME).await.unwrap().unwrap().version, 4);
     assert_eq!(
@@ -463,7 +536,16 @@ async fn canary_handover(
         VersionStatus::Retired
     );
     let trail = store.audit(NAME, 10).await.unwrap();
+    eprintln!("audit trail, newest first:");
+    for a in &trail {
+        eprintln!(
+            "  gen {} {} by {} weight {}: {}",
+            a.generation, a.action, a.by, a.weight, a.reason
+        );
+    }
     let actions: Vec<&str> = trail.iter().map(|a| a.action.as_str()).collect();
-    assert_eq!(actions, ["promote", "start", "set_stable"], "{trail:#?}");
+    assert_eq!(actions, ["advance", "start", "set_stable"], "{trail:#?}");
+    assert!(trail[0].reason.starts_with("promote"), "{trail:#?}");
+    drop(proxy);
     audit_log.shutdown(Duration::from_secs(10)).await;
 }
