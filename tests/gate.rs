@@ -373,12 +373,7 @@ async fn canary_handover(
     base_sha: &str,
 ) {
     use hindsight_control::rollout::{self, Controller, RolloutConfig};
-    let store = hindsight_routing::RoutingStore::new(hindsight_routing::StoreConfig {
-        redis_url: redis_url.into(),
-        key_prefix: format!("{prefix}:routing"),
-        retry_for_ms: 10_000,
-    })
-    .unwrap();
+    let store = common::store(redis_url, &format!("{prefix}:routing"));
     let cfg = PublishConfig {
         promote: false,
         rollout: hindsight_control::publish::PublishRollout::Canary,
@@ -434,12 +429,7 @@ async fn canary_handover(
         .unwrap()
         .with_registry(Registry::connect(reg.config().clone()).await.unwrap());
     controller.tick().await.unwrap();
-    let store = hindsight_routing::RoutingStore::new(hindsight_routing::StoreConfig {
-        redis_url: redis_url.into(),
-        key_prefix: format!("{prefix}:routing"),
-        retry_for_ms: 10_000,
-    })
-    .unwrap();
+    let store = common::store(redis_url, &format!("{prefix}:routing"));
     let route = store.get(NAME).await.unwrap().unwrap();
     let r = route
         .rollout
@@ -510,15 +500,7 @@ async fn canary_handover(
             controller.observe(hindsight_feedback::Topic::Feedback, &fb);
         }
         controller.tick().await.unwrap();
-        state = store
-            .get(NAME)
-            .await
-            .unwrap()
-            .unwrap()
-            .rollout
-            .unwrap()
-            .state
-            .to_string();
+        state = common::rollout_state(&store, NAME).await;
         if state != "running" {
             break;
         }

@@ -251,6 +251,12 @@ pub fn store(redis_url: &str, prefix: &str) -> RoutingStore {
     .unwrap()
 }
 
+/// The state of `route`'s rollout (`running`, `promoted`, ...).
+pub async fn rollout_state(s: &RoutingStore, route: &str) -> String {
+    let route = s.get(route).await.unwrap().unwrap();
+    route.rollout.unwrap().state.to_string()
+}
+
 pub fn req<'a>(by: &'a str, reason: &'a str) -> rollout::Request<'a> {
     rollout::Request {
         route: "support",

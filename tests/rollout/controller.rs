@@ -245,15 +245,7 @@ eval_interval_ms = 200
                 serde_json::to_vec(&fb).unwrap().into(),
             );
         }
-        state = s
-            .get("support")
-            .await
-            .unwrap()
-            .unwrap()
-            .rollout
-            .unwrap()
-            .state
-            .to_string();
+        state = rollout_state(&s, "support").await;
         if state != "running" {
             break;
         }
@@ -579,15 +571,7 @@ async fn a_redis_kill_during_a_rollout_loses_no_decision() {
         }
         if let Some(r) = &redis {
             let _ = r;
-            state = s
-                .get("support")
-                .await
-                .unwrap()
-                .unwrap()
-                .rollout
-                .unwrap()
-                .state
-                .to_string();
+            state = rollout_state(&s, "support").await;
             if state == "promoted" {
                 break;
             }
