@@ -3,7 +3,7 @@
 #   - a Kafka-protocol broker: tansu 0.6.0 (from crates.io), storage in SQLite so it survives restarts
 #   - Redis: Debian's redis-server
 #
-# Usage: deploy/services.sh up|down|status|install|kafka-stop|kafka-start|kafka-reset
+# Usage: deploy/services.sh up|down|status|install|kafka-stop|kafka-kill|kafka-start|kafka-reset
 #
 # Idempotent: `up` twice leaves one broker and one Redis running. It refuses to start a service
 # on a port that something else already holds (a stale broker once silently served a test run).
@@ -126,6 +126,19 @@ stop_kafka() {
   rm -f "$KAFKA_DIR/tansu.pid"
 }
 
+# SIGKILL, no clean stop: what a crashed broker looks like to its clients (tests/outage.rs).
+kill_kafka() {
+  local pid; pid=$(pidfile_pid "$KAFKA_DIR/tansu.pid")
+  if pid_alive "$pid"; then
+    say "killing broker (pid $pid) with SIGKILL"
+    kill -9 "$pid"
+    for _ in $(seq 50); do pid_alive "$pid" || break; sleep 0.1; done
+  else
+    say "broker not running"
+  fi
+  rm -f "$KAFKA_DIR/tansu.pid"
+}
+
 start_redis() {
   mkdir -p "$REDIS_DIR"
   local pid; pid=$(pidfile_pid "$REDIS_DIR/redis.pid")
@@ -179,7 +192,8 @@ case "${1:-}" in
   down) stop_kafka; stop_redis ;;
   status) status ;;
   kafka-stop) stop_kafka ;;
+  kafka-kill) kill_kafka ;;
   kafka-start) start_kafka ;;
   kafka-reset) install_tansu; reset_kafka ;;
-  *) echo "usage: $0 up|down|status|install|kafka-stop|kafka-start|kafka-reset" >&2; exit 2 ;;
+  *) echo "usage: $0 up|down|status|install|kafka-stop|kafka-kill|kafka-start|kafka-reset" >&2; exit 2 ;;
 esac

@@ -187,6 +187,28 @@ async fn metric_sum(admin: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// The upper bound of the histogram bucket holding quantile `q` (NaN when absent).
+async fn bucket_quantile(admin: &str, name: &str, q: f64) -> f64 {
+    let Ok(resp) = reqwest::get(format!("http://{admin}/metrics")).await else {
+        return f64::NAN;
+    };
+    let text = resp.text().await.unwrap_or_default();
+    let prefix = format!("{name}_bucket{{le=\"");
+    let buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(&prefix)?;
+            let (le, count) = rest.split_once("\"} ")?;
+            Some((le.parse().unwrap_or(f64::INFINITY), count.parse().ok()?))
+        })
+        .collect();
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    buckets
+        .iter()
+        .find(|(_, c)| total > 0.0 && *c >= q * total)
+        .map_or(f64::NAN, |(le, _)| *le)
+}
+
 fn parent() -> anyhow::Result<()> {
     let rates: Vec<f64> = std::env::var("RATES")
         .unwrap_or_else(|_| "500 2000".into())
@@ -278,7 +300,14 @@ fn parent() -> anyhow::Result<()> {
         let spilled = metric_sum(&admin_addr, "hindsight_log_spilled_records_total").await;
         let dropped = metric_sum(&admin_addr, "hindsight_log_dropped_records_total").await;
         println!("\nKafka log: {delivered} records delivered, {spilled} spilled, {dropped} dropped");
-        results.push(serde_json::json!({"kafka": {"delivered": delivered, "spilled": spilled, "dropped": dropped}}));
+        // How long a record lived only in the proxy's memory before Kafka acknowledged it: what
+        // a crash with a healthy broker can lose (bucket upper bounds of the histogram).
+        let ack = "hindsight_log_ack_seconds";
+        let ack_p50 = bucket_quantile(&admin_addr, ack, 0.5).await * 1e3;
+        let ack_p99 = bucket_quantile(&admin_addr, ack, 0.99).await * 1e3;
+        println!("Kafka acknowledgement after dispatch: p50 <= {ack_p50} ms, p99 <= {ack_p99} ms");
+        results.push(serde_json::json!({"kafka": {"delivered": delivered, "spilled": spilled, "dropped": dropped,
+            "ack_ms_upper_bound": {"p50": ack_p50, "p99": ack_p99}}}));
         anyhow::Ok(())
     })?;
     proxy.stop();

@@ -1,5 +1,6 @@
 //! The record log against the real broker: delivery with keys and ids, spill while the broker is
-//! absent, replay in order (also after a restart from the spill directory), overflow and drops.
+//! absent, replay in order (also after a restart from the spill directory), overflow and drops,
+//! and a broker that refuses or stalls noticed before records wait in memory.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
@@ -207,6 +208,110 @@ async fn channel_overflow_spills_and_still_delivers_everything() {
     let report = log.shutdown(Duration::from_secs(10)).await;
     assert!(report.complete, "{report:?}");
     assert_eq!(report.dropped_records, 0);
+}
+
+/// Submits one record; returns whether it was on disk (in the spill) when `submit` returned.
+fn spilled_on_submit(handle: &hindsight_feedback::LogHandle, i: usize) -> bool {
+    let before = handle.stats().spilled_records;
+    handle.submit(
+        Topic::Interactions,
+        format!("k{i}"),
+        Uuid::now_v7(),
+        Bytes::from(format!("{{\"n\":{i}}}")),
+    );
+    handle.stats().spilled_records == before + 1
+}
+
+/// A broker that refuses connections after the log started (topics taken as existing, so
+/// records go to the producer, as with a broker that was up at start): librdkafka reports every
+/// broker down at once, and from then on nothing waits for Kafka in memory — the first record
+/// is copied to the spill long before its 30 s message timeout, and every later one is on disk
+/// when `submit` returns. (Before, all of them waited the message timeout in memory, and a
+/// crash in that window lost them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_broker_sends_records_to_the_spill_before_submit_returns() {
+    let spill = tempfile::tempdir().unwrap();
+    let mut raw = config(dead_brokers(), &prefix(), spill.path());
+    raw.create_topics = false;
+    raw.message_timeout_ms = 30_000;
+    let cfg = raw.validate().unwrap();
+    let (log, handle) = RecordLog::start(cfg).await.unwrap();
+    let started = Instant::now();
+    spilled_on_submit(&handle, 0);
+    wait_for("the first record in the spill", || {
+        handle.stats().spill_pending_records == 1
+    })
+    .await;
+    let noticed = started.elapsed();
+    assert!(
+        noticed < Duration::from_secs(5),
+        "a refused connection took {noticed:?} to notice"
+    );
+    assert!(handle.stats().broker_unreachable);
+    for i in 1..=300 {
+        assert!(
+            spilled_on_submit(&handle, i),
+            "record {i} was not on disk when submit returned: {:?}",
+            handle.stats()
+        );
+    }
+    let s = handle.stats();
+    assert_eq!(
+        (s.spill_pending_records, s.dropped_records),
+        (301, 0),
+        "{s:?}"
+    );
+    println!("refused broker noticed after {noticed:?}");
+    let report = log.shutdown(Duration::from_millis(200)).await;
+    assert_eq!(report.left_in_spill, 301, "{report:?}");
+}
+
+/// A broker that accepts connections and never answers: no error reaches librdkafka for a
+/// minute, so the log notices by the age of the oldest unacknowledged record
+/// (`spill_after_ms`), copies everything waiting into the spill and spills from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_broker_is_noticed_within_spill_after_ms() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((sock, _)) = silent.accept().await {
+            held.push(sock);
+        }
+    });
+    let spill = tempfile::tempdir().unwrap();
+    let mut raw = config(addr.to_string(), &prefix(), spill.path());
+    raw.create_topics = false;
+    raw.message_timeout_ms = 30_000;
+    raw.spill_after_ms = 500;
+    let cfg = raw.validate().unwrap();
+    let (log, handle) = RecordLog::start(cfg).await.unwrap();
+    let started = Instant::now();
+    for i in 0..50 {
+        assert!(
+            !spilled_on_submit(&handle, i),
+            "spilled before any sign of trouble"
+        );
+    }
+    wait_for("the waiting records in the spill", || {
+        handle.stats().spill_pending_records == 50
+    })
+    .await;
+    let noticed = started.elapsed();
+    assert!(
+        noticed >= Duration::from_millis(500) && noticed < Duration::from_secs(5),
+        "noticed after {noticed:?}"
+    );
+    assert!(handle.stats().broker_unreachable);
+    assert!(spilled_on_submit(&handle, 50));
+    println!("silent broker noticed after {noticed:?}");
+    let report = log.shutdown(Duration::from_millis(200)).await;
+    assert_eq!(
+        (report.left_in_spill, report.dropped_records),
+        (51, 0),
+        "{report:?}"
+    );
+    holder.abort();
 }
 
 /// The learner's reader on the episodes topic of `cfg` (10 s broker timeout).
