@@ -81,6 +81,9 @@ struct FeedbackArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,
+    /// Serve Prometheus metrics on this address (`/metrics`), e.g. 127.0.0.1:9468.
+    #[arg(long)]
+    metrics_listen: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -99,6 +102,9 @@ struct JoinArgs {
     /// HINDSIGHT_JOINER__*).
     #[arg(long, short = 'c')]
     config: Option<PathBuf>,
+    /// Serve Prometheus metrics on this address (`/metrics`), e.g. 127.0.0.1:9467.
+    #[arg(long)]
+    metrics_listen: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -208,6 +214,9 @@ async fn run_feedback(args: FeedbackArgs) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
+    if let Some(addr) = &args.metrics_listen {
+        serve_metrics(addr).await?;
+    }
     let report =
         hindsight_feedback::serve_feedback(feedback, log, listener, shutdown_signal()).await?;
     tracing::info!(?report, "Bye.");
@@ -217,6 +226,9 @@ async fn run_feedback(args: FeedbackArgs) -> anyhow::Result<()> {
 async fn run_join(args: JoinArgs) -> anyhow::Result<()> {
     let file: JoinFile =
         hindsight_core::load_toml(args.config.as_deref(), std::env::vars(), &["log", "joiner"])?;
+    if let Some(addr) = &args.metrics_listen {
+        serve_metrics(addr).await?;
+    }
     let stats = hindsight_feedback::run_joiner(
         file.joiner.validate()?,
         file.log.validate()?,
@@ -274,6 +286,25 @@ async fn run_tail(args: TailArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Serves the process's Prometheus metrics at `/metrics` on `addr`, for the processes that have
+/// no admin listener of their own (joiner, feedback API, learner).
+async fn serve_metrics(addr: &str) -> anyhow::Result<()> {
+    let handle = hindsight_proxy::prometheus()
+        .context("another metrics recorder is installed; cannot export metrics")?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let h = handle.clone();
+            async move { h.render() }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(())
+}
+
 async fn run_learner(cli: LearnerCliArgs) -> anyhow::Result<()> {
     use hindsight_learner::online::{run_learner, LearnerFile, LearnerSetup};
     let file: LearnerFile = hindsight_core::load_toml(
@@ -282,19 +313,7 @@ async fn run_learner(cli: LearnerCliArgs) -> anyhow::Result<()> {
         &["log", "learner", "registry", "publish", "routing"],
     )?;
     if let Some(addr) = &cli.metrics_listen {
-        let handle = hindsight_proxy::prometheus()
-            .context("another metrics recorder is installed; cannot export metrics")?;
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("binding {addr}"))?;
-        let app = axum::Router::new().route(
-            "/metrics",
-            axum::routing::get(move || {
-                let h = handle.clone();
-                async move { h.render() }
-            }),
-        );
-        tokio::spawn(async move { axum::serve(listener, app).await });
+        serve_metrics(addr).await?;
     }
     let setup = LearnerSetup {
         learner: file.learner,

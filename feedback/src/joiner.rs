@@ -343,6 +343,12 @@ impl Joiner {
         let mut affected: Vec<Uuid> = Vec::new();
         let mut outputs: Vec<Output> = Vec::new();
         let interactions_topic = self.log.topics().get(Topic::Interactions).to_string();
+        // Event-time lag: how old the newest record of the batch was when the joiner got to it
+        // (produce to join; grows while the joiner falls behind, e.g. on a backlog).
+        if let Some(newest_ms) = batch.iter().filter_map(|r| r.timestamp_ms).max() {
+            let lag_s = (hindsight_core::now_ms() - newest_ms).max(0) as f64 / 1000.0;
+            metrics::gauge!("hindsight_join_lag_seconds").set(lag_s);
+        }
         for rec in batch {
             if rec.topic == interactions_topic {
                 match rec.decode::<InteractionRecord>() {

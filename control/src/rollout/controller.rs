@@ -315,10 +315,14 @@ impl Controller {
 
     /// Writes one decision: the route (compare-and-set), the audit record to Kafka, and the
     /// registry's status of the canary.
+    /// Carries out `op` on `route`. `cause` labels `hindsight_rollout_decisions_total`: `alarm`
+    /// (a harm guard or drift alarm fired), `stages` (a stage's minimums were met), `queue` (a
+    /// queued candidate started) or `superseded` (a newer candidate replaced the canary).
     async fn act(
         &self,
         route: &hindsight_routing::Route,
         op: &Op,
+        cause: &'static str,
         reason: &str,
         stats: Value,
     ) -> Result<(), RoutingError> {
@@ -332,6 +336,13 @@ impl Controller {
         match ops::execute(&self.store, &req, op).await {
             Ok((stored, audit)) => {
                 tracing::info!(route = %stored.route, action = op.action(), %reason, "Rollout decision.");
+                metrics::counter!(
+                    "hindsight_rollout_decisions_total",
+                    "route" => stored.route.clone(),
+                    "action" => op.action(),
+                    "cause" => cause,
+                )
+                .increment(1);
                 if let Some(reg) = &self.registry {
                     if let Err(e) = super::lineage::follow(reg, &stored, &audit).await {
                         tracing::warn!(error = %e, "Could not update the registry after a rollout decision; the next tick reconciles it.");
@@ -393,6 +404,7 @@ impl Controller {
                 self.act(
                     &route,
                     &op,
+                    "queue",
                     &format!("starting queued candidate {next}"),
                     json!({}),
                 )
@@ -405,7 +417,8 @@ impl Controller {
                 if let Some(newer) = self.store.get_queued(&route.route).await? {
                     if newer != active.canary {
                         let why = format!("superseded by the newer candidate {newer}");
-                        self.act(&route, &Op::Rollback, &why, json!({})).await?;
+                        self.act(&route, &Op::Rollback, "superseded", &why, json!({}))
+                            .await?;
                         continue;
                     }
                 }
@@ -445,13 +458,13 @@ impl Controller {
             if rollout.state != RolloutState::Running {
                 continue;
             }
-            let (op, reason) = match decision {
+            let (op, cause, reason) = match decision {
                 Decision::Wait(_) => continue,
-                Decision::Advance(r) => (Op::Advance, r),
-                Decision::Rollback(r) => (Op::Rollback, r),
-                Decision::Freeze(r) => (Op::Freeze, r),
+                Decision::Advance(r) => (Op::Advance, "stages", r),
+                Decision::Rollback(r) => (Op::Rollback, "alarm", r),
+                Decision::Freeze(r) => (Op::Freeze, "alarm", r),
             };
-            self.act(&route, &op, &reason, stats).await?;
+            self.act(&route, &op, cause, &reason, stats).await?;
         }
         Ok(())
     }
