@@ -2,6 +2,8 @@
 # Installs (if missing) and runs the local services Hindsight needs, on loopback only:
 #   - a Kafka-protocol broker: tansu 0.6.0 (from crates.io), storage in SQLite so it survives restarts
 #   - Redis: Debian's redis-server
+#   - Prometheus and promtool: Debian's prometheus (installed only; deploy/prometheus/ holds the
+#     config, and tests/prometheus.rs starts its own instance against the processes it spawns)
 #
 # Usage: deploy/services.sh up|down|status|install|kafka-stop|kafka-kill|kafka-start|kafka-reset
 #
@@ -48,6 +50,28 @@ install_redis() {
   # The package may start its own instance on 6379; we run ours with our own config.
   if command -v systemctl >/dev/null 2>&1; then systemctl stop redis-server 2>/dev/null || true; fi
   pkill -f '^/usr/bin/redis-server 127.0.0.1:6379' 2>/dev/null || true
+}
+
+install_prometheus() {
+  if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then
+    say "prometheus present: $(prometheus --version 2>&1 | head -n1 | cut -d' ' -f3)"
+    return
+  fi
+  say "installing prometheus (and promtool) from Debian's packages"
+  export DEBIAN_FRONTEND=noninteractive
+  # Without recommends: the node exporter is not ours to run.
+  apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || {
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  }
+  # The package may start its own server on :9090 (scraping nothing of ours); stop it. Ours is
+  # started with our config by whoever needs it (tests/prometheus.rs, deploy/README.md).
+  if command -v systemctl >/dev/null 2>&1; then systemctl stop prometheus 2>/dev/null || true; fi
+  if command -v service >/dev/null 2>&1; then service prometheus stop >/dev/null 2>&1 || true; fi
+  local pid
+  pid=$(listener_pid 9090)
+  if [ -n "$pid" ] && [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = /usr/bin/prometheus ]; then
+    kill "$pid" 2>/dev/null || true
+  fi
 }
 
 install_tansu() {
@@ -187,8 +211,8 @@ status() {
 }
 
 case "${1:-}" in
-  install) install_redis; install_tansu ;;
-  up) install_redis; install_tansu; start_redis; start_kafka; say "KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT REDIS_URL=redis://127.0.0.1:$REDIS_PORT/" ;;
+  install) install_redis; install_prometheus; install_tansu ;;
+  up) install_redis; install_prometheus; install_tansu; start_redis; start_kafka; say "KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT REDIS_URL=redis://127.0.0.1:$REDIS_PORT/" ;;
   down) stop_kafka; stop_redis ;;
   status) status ;;
   kafka-stop) stop_kafka ;;
