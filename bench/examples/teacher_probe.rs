@@ -13,7 +13,7 @@
 //! cargo run --release -p hindsight-bench --example teacher_probe -- [N] [rule-and-value|rule]
 //! ```
 use anyhow::Context;
-use hindsight_eval::{hindsight_messages, HindsightPlacement};
+use hindsight_learner::teacher_prompt::{hindsight_messages, HindsightPlacement};
 use hindsight_model::candle_core::{DType, Device, Tensor, D};
 use hindsight_model::{encode, AdapterSelection, BatchLayout, ModelBundle};
 use hindsight_sim::{critique, messages, resolve, CritiqueStyle, PromptOptions, Rng, Split, World};

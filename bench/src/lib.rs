@@ -1,6 +1,8 @@
 //! Benchmark drivers: the learning-curve harness over the simulated environment (`hindsight-sim`),
-//! an open-loop load generator and the mock upstream the proxy benches run against.
+//! the hindsight baselines, an open-loop load generator and the mock upstream the proxy benches
+//! run against.
 
+pub mod baselines;
 pub mod learning;
 pub mod load;
 pub mod mock_upstream;

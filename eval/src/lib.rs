@@ -4,7 +4,6 @@ mod cli;
 mod client;
 mod compare;
 mod error;
-mod hindsight;
 mod passk;
 mod runner;
 mod score;
@@ -16,7 +15,6 @@ pub use client::{
 };
 pub use compare::{compare_runs, paired_diff, Comparison, PairedDiff};
 pub use error::EvalError;
-pub use hindsight::{hindsight_messages, HindsightPlacement};
 pub use passk::pass_at_k;
 pub use runner::{
     evaluate, item_outcome, request_body, summarize, ItemOutcome, RunConfig, RunMetrics, RunReport,

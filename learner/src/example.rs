@@ -3,7 +3,6 @@
 //! their behaviour log-probs, the hindsight teacher's context (the same context plus a message
 //! carrying the text feedback), the correction's tokens, and the scalar signals.
 
-use hindsight_eval::{hindsight_messages, HindsightPlacement};
 use hindsight_feedback::{Correction, EpisodeRecord, FeedbackEvent, FeedbackValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -11,6 +10,7 @@ use tokenizers::Tokenizer;
 use uuid::Uuid;
 
 use crate::error::{LearnerError, Result};
+use crate::teacher_prompt::{hindsight_messages, HindsightPlacement};
 use hindsight_model::encode;
 use hindsight_model::grammar::{with_answer_key_order, OJson};
 use hindsight_model::{prompt_tools, ChatInputError, ChatTemplate};

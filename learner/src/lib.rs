@@ -10,6 +10,7 @@ pub mod example;
 pub mod objectives;
 pub mod online;
 pub mod optim;
+pub mod teacher_prompt;
 pub mod trainer;
 
 pub use error::{LearnerError, Result};

@@ -1,9 +1,7 @@
 //! The simulated production environment: customer-support tickets resolved into a JSON
-//! decision under hidden business rules, read-only tools with injected failures, a simulated
-//! user who sends feedback through Hindsight's webhook, and the baselines that check the
-//! self-distillation premise.
+//! decision under hidden business rules, read-only tools with injected failures, and a simulated
+//! user who sends feedback through Hindsight's webhook.
 
-mod baselines;
 mod error;
 mod evalset;
 mod prompt;
@@ -16,10 +14,6 @@ mod webhook;
 mod wording;
 mod world;
 
-pub use baselines::{
-    feedback_for, hindsight_items, render_table, run_baselines, BaselineConfig, BaselineReport,
-    BaselineRow, CONFIRMATION,
-};
 pub use error::EnvError;
 pub use evalset::{eval_item, eval_items, rules_of};
 pub use prompt::{

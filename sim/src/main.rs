@@ -1,20 +1,21 @@
 //! `hindsight-sim`: the simulated production environment from the command line (eval sets,
-//! traffic with simulated feedback through the proxy, baselines).
+//! traffic with simulated feedback through the proxy). The hindsight baselines measured on it
+//! are a bench: `cargo bench -p hindsight-bench --bench baselines`.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use hindsight_eval::{to_jsonl, HindsightPlacement};
+use hindsight_eval::to_jsonl;
 use hindsight_sim::{
-    eval_items, render_table, run_baselines, run_env, BaselineConfig, CritiqueStyle, EnvRunConfig,
-    FeedbackConfig, PromptOptions, Records, Split, UserConfig, Variant, World,
+    eval_items, run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, Records,
+    Split, UserConfig, Variant, World,
 };
 
 #[derive(Parser)]
 #[command(
     name = "hindsight-sim",
-    about = "The simulated production environment: tickets, traffic, feedback, baselines"
+    about = "The simulated production environment: tickets, traffic, feedback"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -29,9 +30,7 @@ enum Command {
     TrainSet(SetArgs),
     /// Drive production-like traffic through the proxy, with simulated user feedback.
     Run(RunArgs),
-    /// Measure baselines (a) as deployed, (b) rules in the system prompt, (c) hindsight.
-    Baselines(BaselineArgs),
-    /// Print the hidden SOP (what baseline (b) puts in the system prompt).
+    /// Print the hidden SOP (what `--with-rules` puts in the system prompt).
     Rules,
     /// Print one ticket, its prompt and its SOP resolution.
     Show {
@@ -149,62 +148,6 @@ struct RunArgs {
     out: Option<PathBuf>,
 }
 
-#[derive(Args)]
-struct BaselineArgs {
-    /// API base of the model (e.g. `hindsight serve`), e.g. http://127.0.0.1:8000/v1.
-    #[arg(long)]
-    endpoint: String,
-    /// Model name.
-    #[arg(long, default_value = "base")]
-    model: String,
-    /// World seed.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Eval tickets.
-    #[arg(long, default_value_t = 40)]
-    tickets: usize,
-    /// Samples per ticket (pass@samples is reported).
-    #[arg(long, default_value_t = 4)]
-    samples: usize,
-    /// Sampling temperature.
-    #[arg(long, default_value_t = 0.7)]
-    temperature: f64,
-    /// max_tokens per request.
-    #[arg(long, default_value_t = 200)]
-    max_tokens: u32,
-    /// Requests in flight.
-    #[arg(long, default_value_t = 4)]
-    concurrency: usize,
-    #[command(flatten)]
-    prompt: PromptArgs,
-    /// How explicit the critiques in (c) are.
-    #[arg(long, value_enum, default_value = "rule-and-value")]
-    critique_style: CritiqueStyle,
-    /// Reuse runs (a) and (b) from an earlier `--out` report (same seed, tickets, samples).
-    #[arg(long)]
-    reuse: Option<PathBuf>,
-    /// Hindsight placements for (c), comma separated.
-    #[arg(
-        long,
-        value_enum,
-        value_delimiter = ',',
-        default_value = "user-turn,user-note,system,system-no-answer"
-    )]
-    hindsight: Vec<HindsightPlacement>,
-    /// Per-request timeout, ms.
-    #[arg(long, default_value_t = 300_000)]
-    timeout_ms: u64,
-    /// Bearer token.
-    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
-    api_key: Option<String>,
-    /// Write the full report (all runs, per-item outcomes) as JSON here.
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// No progress bars.
-    #[arg(long)]
-    no_progress: bool,
-}
-
 fn prompt_options(p: &PromptArgs, with_rules: bool) -> PromptOptions {
     PromptOptions {
         variant: p.variant,
@@ -239,8 +182,7 @@ fn write_or_print(out: Option<&PathBuf>, text: &str) -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        // Without RUST_LOG: our progress lines (each baseline as it is measured, traffic
-        // summaries) and warnings, so a long run read from a log file is not silent.
+        // Without RUST_LOG: our progress lines (traffic summaries) and warnings, so a long run read from a log file is not silent.
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,hindsight_sim=info")),
@@ -316,38 +258,6 @@ async fn main() -> anyhow::Result<()> {
             );
             if let Some(out) = &a.out {
                 write_or_print(Some(out), &serde_json::to_string_pretty(&summary)?)?;
-            }
-        }
-        Command::Baselines(a) => {
-            let cfg = BaselineConfig {
-                endpoint: a.endpoint.clone(),
-                model: a.model.clone(),
-                api_key: a.api_key.clone(),
-                seed: a.seed,
-                tickets: a.tickets,
-                samples: a.samples,
-                temperature: a.temperature,
-                max_tokens: Some(a.max_tokens),
-                concurrency: a.concurrency,
-                variant: a.prompt.variant,
-                records: a.prompt.records,
-                response_format: !a.prompt.no_response_format,
-                placements: a.hindsight.clone(),
-                critique_style: a.critique_style,
-                reuse: match &a.reuse {
-                    Some(path) => Some(serde_json::from_slice(
-                        &std::fs::read(path)
-                            .with_context(|| format!("reading {}", path.display()))?,
-                    )?),
-                    None => None,
-                },
-                timeout_ms: a.timeout_ms,
-                progress: !a.no_progress,
-            };
-            let report = run_baselines(&cfg).await?;
-            print!("{}", render_table(&report));
-            if let Some(out) = &a.out {
-                write_or_print(Some(out), &serde_json::to_string_pretty(&report)?)?;
             }
         }
         Command::Rules => print!("{}", hindsight_sim::rules_text()),

@@ -1,4 +1,5 @@
-//! `hindsight-sim baselines`: the premise check for self-distillation. On the eval split:
+//! The baselines (`cargo bench -p hindsight-bench --bench baselines`): the premise check for
+//! self-distillation. On the eval split:
 //! (a) the model as deployed, (b) with the whole SOP in its system prompt, (c) in hindsight —
 //! its own first answer from (a), the truthful critic's critique of that very answer, then a
 //! second answer — for each chosen prompt placement. Reports exact match, per-field accuracy
@@ -6,19 +7,17 @@
 
 use std::fmt::Write as _;
 
+use anyhow::ensure;
 use hindsight_eval::{
-    evaluate, extract_json_answer, hindsight_messages, item_outcome, summarize, EvalItem, EvalSet,
-    HindsightPlacement, RunConfig, RunMetrics, RunReport, SampleOutcome,
+    evaluate, extract_json_answer, item_outcome, summarize, EvalItem, EvalSet, RunConfig,
+    RunMetrics, RunReport, SampleOutcome,
+};
+use hindsight_learner::teacher_prompt::{hindsight_messages, HindsightPlacement};
+use hindsight_sim::{
+    critique, eval_items, resolve, CritiqueStyle, PromptOptions, Records, Rng, Split, Ticket,
+    Variant, World,
 };
 use serde::{Deserialize, Serialize};
-
-use super::error::EnvError;
-use super::evalset::eval_items;
-use super::prompt::{PromptOptions, Records, Variant};
-use super::rng::Rng;
-use super::sop::resolve;
-use super::user::{critique, CritiqueStyle};
-use super::world::{Split, World};
 
 /// Feedback text used when the first answer was already right.
 pub const CONFIRMATION: &str = "That decision is correct.";
@@ -174,7 +173,7 @@ pub fn hindsight_items(
 /// The truthful critic's text for a first answer (or [`CONFIRMATION`] when it was right).
 pub fn feedback_for(
     world: &World,
-    ticket: &super::world::Ticket,
+    ticket: &Ticket,
     answer_text: &str,
     response_format: bool,
     sample: usize,
@@ -202,10 +201,11 @@ pub fn feedback_for(
 }
 
 /// Runs (a), (b) and (c) and returns the table.
-pub async fn run_baselines(cfg: &BaselineConfig) -> Result<BaselineReport, EnvError> {
-    if cfg.samples == 0 || cfg.tickets == 0 {
-        return Err(EnvError::Config("tickets and samples must be >= 1".into()));
-    }
+pub async fn run_baselines(cfg: &BaselineConfig) -> anyhow::Result<BaselineReport> {
+    ensure!(
+        cfg.samples >= 1 && cfg.tickets >= 1,
+        "tickets and samples must be >= 1"
+    );
     let world = World::new(cfg.seed);
     let options = PromptOptions {
         variant: cfg.variant,
@@ -339,7 +339,7 @@ pub async fn run_baselines(cfg: &BaselineConfig) -> Result<BaselineReport, EnvEr
     })
 }
 
-/// The table as Markdown (for sim/README.md).
+/// The table as Markdown (for bench/README.md).
 pub fn render_table(report: &BaselineReport) -> String {
     let mut out = String::new();
     let _ = writeln!(

@@ -1,6 +1,6 @@
-//! Hindsight prompts: the original request plus the model's first answer and the feedback on
-//! it, placed in one of a few ways. The learner's self-teacher sees exactly such a prompt; the
-//! baselines measure which placement lets the model correct itself best.
+//! The hindsight teacher's prompt: the original request plus the model's first answer and the
+//! feedback on it, placed in one of a few ways. The learner's self-teacher sees exactly such a
+//! prompt; the bench's `baselines` measures which placement lets the model correct itself best.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
