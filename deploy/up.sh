@@ -6,7 +6,7 @@
 #   local services (Kafka-protocol broker + Redis)  ->  default model (from PyPI)
 #   hindsight serve (the model, OpenAI-compatible, :8000)
 #   hindsight proxy (:8080, admin :9464, feedback API at /hindsight/v1/feedback, signed)
-#   hindsight join  (interactions x feedback -> hindsight.episodes)
+#   hindsight join  (interactions x feedback -> hindsight.episodes, metrics :9467)
 #   hindsight learner (episodes -> LoRA training -> candidate -> eval gate -> canary)
 #   hindsight rollout run (the controller: canary stages on live traffic -> promote or roll back)
 #   the simulated support environment (tickets as traffic through the proxy, a simulated user
@@ -61,7 +61,7 @@ wait_http() { # url name seconds
 pretty() { python3 -c 'import json,sys; l=json.dumps(json.loads(sys.argv[1]),indent=2).splitlines(); n=int(sys.argv[2]); print("\n".join(l[:n])+("\n  ..." if len(l)>n else ""))' "$1" "$2"; }
 
 port_free() { ! ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
-for p in 8000 8080 9464 9465 9466; do port_free "$p" || die "port $p is in use (an earlier run still going?)"; done
+for p in 8000 8080 9464 9465 9466 9467; do port_free "$p" || die "port $p is in use (an earlier run still going?)"; done
 
 say "4/7 hindsight serve on :8000 ($MODEL)"
 "$BIN" serve --model "$MODEL" --served-model-name SmolLM2-135M-Instruct --listen 127.0.0.1:8000 >.hindsight/logs/serve.log 2>&1 &
@@ -77,7 +77,7 @@ HINDSIGHT_ROUTING__ROUTES='[{model = "support", stable = "SmolLM2-135M-Instruct"
   "$BIN" proxy --upstream http://127.0.0.1:8000 --listen 127.0.0.1:8080 --admin 127.0.0.1:9464 \
   --spill-dir .hindsight/spill >.hindsight/logs/proxy.log 2>&1 &
 PIDS+=($!)
-"$BIN" join >.hindsight/logs/join.log 2>&1 &
+"$BIN" join --metrics-listen 127.0.0.1:9467 >.hindsight/logs/join.log 2>&1 &
 PIDS+=($!)
 wait_http http://127.0.0.1:9464/readyz "hindsight proxy" 60
 
