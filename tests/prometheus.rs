@@ -644,6 +644,11 @@ on_new_candidate = "supersede"
             r#"max(hindsight_log_broker_unreachable{job="hindsight-rollout"})"#.into(),
             0.0,
         ),
+        // Registered at zero before any alarm, so the first one is an increase.
+        (
+            r#"sum(hindsight_rollout_decisions_total{job="hindsight-rollout", route="support", action="rollback", cause="alarm"})"#.into(),
+            0.0,
+        ),
     ];
     let deadline = Instant::now() + Duration::from_secs(40);
     loop {

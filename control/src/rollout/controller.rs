@@ -282,7 +282,21 @@ pub struct Controller {
     registry: Option<crate::registry::Registry>,
     /// (route, rollout id, stage) → counts when the controller first saw that stage.
     stage_bases: std::collections::HashMap<(String, String, usize), StageBase>,
+    /// Routes whose decision counters are registered (see [`DECISIONS`]).
+    counted_routes: std::collections::HashSet<String>,
 }
+
+/// The (action, cause) pairs of `hindsight_rollout_decisions_total` the controller produces,
+/// registered at zero per route when it first sees the route: Prometheus's `increase` sees no
+/// increase in a counter whose first sample is already 1, so the first rollback would raise no
+/// alert.
+const DECISIONS: [(&str, &str); 5] = [
+    ("advance", "stages"),
+    ("rollback", "alarm"),
+    ("freeze", "alarm"),
+    ("rollback", "superseded"),
+    ("start", "queue"),
+];
 
 impl Controller {
     /// A controller writing through `store` and auditing to `audit`.
@@ -304,6 +318,7 @@ impl Controller {
             metrics,
             registry: None,
             stage_bases: std::collections::HashMap::new(),
+            counted_routes: std::collections::HashSet::new(),
         })
     }
 
@@ -389,6 +404,17 @@ impl Controller {
         self.metrics.mature(read_until_ms.min(now));
         for parsed in self.store.load_all().await? {
             let Ok(route) = parsed else { continue };
+            if self.counted_routes.insert(route.route.clone()) {
+                for (action, cause) in DECISIONS {
+                    metrics::counter!(
+                        "hindsight_rollout_decisions_total",
+                        "route" => route.route.clone(),
+                        "action" => action,
+                        "cause" => cause,
+                    )
+                    .increment(0);
+                }
+            }
             self.mirror_audit(&route.route).await?;
             if let Some(reg) = &self.registry {
                 if let Err(e) = super::lineage::reconcile(reg, &route).await {
