@@ -29,7 +29,7 @@ enum Command {
     /// Write train-split tickets in the same format (for offline experiments; never eval items).
     TrainSet(SetArgs),
     /// Drive production-like traffic through the proxy, with simulated user feedback.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the hidden SOP (what `--with-rules` puts in the system prompt).
     Rules,
     /// Print one ticket, its prompt and its SOP resolution.
