@@ -1,5 +1,5 @@
-//! 1. Every differentiable fused op of `hindsight_model::ops`: forward values and input
-//! gradients on the GPU against the CPU on the same f32 inputs.
+//! Phase 1, the fused ops: every differentiable op of `hindsight_model::ops`, forward values
+//! and input gradients on the GPU against the CPU on the same f32 inputs.
 
 use super::*;
 
@@ -65,7 +65,7 @@ mod candle_core_result {
     pub type R = hindsight_model::candle_core::Result<hindsight_model::candle_core::Tensor>;
 }
 
-/// 1. Every differentiable fused op, forward values and input gradients, `gpu` vs the CPU.
+/// Phase 1: every differentiable fused op, forward values and input gradients, `gpu` vs the CPU.
 pub(super) fn check_ops(r: &mut Report, rng: &mut rand::rngs::StdRng, gpu: &Device) -> Result<()> {
     println!("== ops: cuda:0 vs CPU, f32");
     let x = randn(rng, &[4, 37, 576], 1.0)?;

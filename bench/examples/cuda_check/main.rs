@@ -29,7 +29,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use hindsight_learner::example::TrainExample;
-use hindsight_learner::trainer::{ObjectiveWeights, StepReport, Trainer, TrainerConfig};
+use hindsight_learner::trainer::{
+    DistillTarget, ObjectiveWeights, StepReport, Trainer, TrainerConfig,
+};
 use hindsight_model::candle_core::{DType, Device, Tensor, Var, D};
 use hindsight_model::candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use hindsight_model::{

@@ -1,5 +1,6 @@
-//! 2. The model: logits, loss and LoRA gradients, AdamW steps, the KV cache, greedy decoding,
-//! the learner's `Trainer` and (with real weights) the sanity answer, GPU against CPU.
+//! Phase 2, the model: logits, loss and LoRA gradients, AdamW steps, the KV cache, greedy
+//! decoding, the learner's `Trainer` and (with real weights) the sanity answer, GPU against
+//! CPU.
 
 use super::*;
 
@@ -252,8 +253,8 @@ impl Batch {
     }
 }
 
-/// 2. Logits, loss and every LoRA gradient of the model on the GPU (f32, and bf16 against the
-/// f32 CPU reference) vs the CPU.
+/// Phase 2: logits, loss and every LoRA gradient of the model on the GPU (f32, and bf16
+/// against the f32 CPU reference) vs the CPU.
 pub(super) fn check_lora_parity(
     r: &mut Report,
     m: &Models,
@@ -453,10 +454,13 @@ pub(super) fn check_kv_cache_and_greedy(
     Ok(())
 }
 
-/// The learner's trainer with all four objectives, the EMA teacher, the exact-KL guard and
-/// gradient clipping.
+/// The learner's trainer with all four objectives and otherwise the default recipe (its
+/// teacher, KL guard and gradient clipping), distilling on the logged answer: the default
+/// target, the teacher's own answer, needs a tokenizer to decode with, which random weights
+/// do not have.
 pub(super) fn all_objectives() -> TrainerConfig {
     TrainerConfig {
+        distill_target: DistillTarget::Logged,
         objectives: ObjectiveWeights {
             sft: 1.0,
             kto: 1.0,

@@ -1,4 +1,4 @@
-//! 3. Throughput on the GPU: trainer steps, LoRA training steps, greedy generation.
+//! Phase 3, throughput on the GPU: trainer steps, LoRA training steps, greedy generation.
 
 use super::*;
 
@@ -80,7 +80,7 @@ fn gen_throughput(model: &Model, prompt: &[u32], new: usize) -> Result<f64> {
     Ok(out.len() as f64 / t0.elapsed().as_secs_f64())
 }
 
-/// 3. Throughput on the GPU: trainer steps, LoRA training steps and greedy generation.
+/// Phase 3, throughput on the GPU: trainer steps, LoRA training steps and greedy generation.
 pub(super) fn measure_throughput(
     r: &mut Report,
     rng: &mut rand::rngs::StdRng,
