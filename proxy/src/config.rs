@@ -52,6 +52,19 @@ pub struct RawProxySection {
     /// Streams may then last as long as the upstream keeps sending.
     #[serde(default = "default_upstream_timeout_ms")]
     pub upstream_timeout_ms: u64,
+    /// A client must send a complete request head within this (an idle keep-alive connection
+    /// too); past it the connection is closed.
+    #[serde(default = "default_header_read_timeout_ms")]
+    pub header_read_timeout_ms: u64,
+    /// A request body that sends no data for this long is answered 408 (the clock restarts
+    /// with every chunk, so a long upload that keeps moving is never cut).
+    #[serde(default = "default_body_read_timeout_ms")]
+    pub body_read_timeout_ms: u64,
+    /// Open client connections at most; one more is answered 503 with `Retry-After` and closed,
+    /// so slow or idle clients cannot exhaust file descriptors. Keep it under half the process's
+    /// open-files limit (each connection may hold an upstream one); start-up warns otherwise.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
     /// Largest request body accepted on a captured path (bigger ones get 413 naming this key).
     #[serde(default = "default_max_request_body_bytes")]
     pub max_request_body_bytes: usize,
@@ -107,6 +120,15 @@ fn default_connect_timeout_ms() -> u64 {
 fn default_upstream_timeout_ms() -> u64 {
     300_000
 }
+fn default_header_read_timeout_ms() -> u64 {
+    30_000
+}
+fn default_body_read_timeout_ms() -> u64 {
+    30_000
+}
+fn default_max_connections() -> usize {
+    8_192
+}
 fn default_max_request_body_bytes() -> usize {
     32 * 1024 * 1024
 }
@@ -132,6 +154,9 @@ impl Default for RawProxySection {
             route: default_route(),
             connect_timeout_ms: default_connect_timeout_ms(),
             upstream_timeout_ms: default_upstream_timeout_ms(),
+            header_read_timeout_ms: default_header_read_timeout_ms(),
+            body_read_timeout_ms: default_body_read_timeout_ms(),
+            max_connections: default_max_connections(),
             max_request_body_bytes: default_max_request_body_bytes(),
             max_capture_response_bytes: default_max_capture_response_bytes(),
             capture_paths: default_capture_paths(),
@@ -154,6 +179,9 @@ pub struct ProxyConfig {
     pub route: String,
     pub connect_timeout: Duration,
     pub upstream_timeout: Duration,
+    pub header_read_timeout: Duration,
+    pub body_read_timeout: Duration,
+    pub max_connections: usize,
     pub max_request_body_bytes: usize,
     pub max_capture_response_bytes: usize,
     pub capture_paths: Vec<String>,
@@ -226,6 +254,12 @@ impl RawConfig {
                 });
             }
         }
+        if p.max_connections == 0 {
+            return Err(ConfigError::Invalid {
+                key: "proxy.max_connections".into(),
+                reason: "must be greater than 0".into(),
+            });
+        }
         if p.capture_queue_capacity == 0 {
             return Err(ConfigError::Invalid {
                 key: "proxy.capture_queue_capacity".into(),
@@ -239,6 +273,12 @@ impl RawConfig {
             route: p.route,
             connect_timeout: positive("proxy.connect_timeout_ms", p.connect_timeout_ms)?,
             upstream_timeout: positive("proxy.upstream_timeout_ms", p.upstream_timeout_ms)?,
+            header_read_timeout: positive(
+                "proxy.header_read_timeout_ms",
+                p.header_read_timeout_ms,
+            )?,
+            body_read_timeout: positive("proxy.body_read_timeout_ms", p.body_read_timeout_ms)?,
+            max_connections: p.max_connections,
             max_request_body_bytes: p.max_request_body_bytes,
             max_capture_response_bytes: p.max_capture_response_bytes,
             capture_paths: p.capture_paths,

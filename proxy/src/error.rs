@@ -21,6 +21,13 @@ impl std::fmt::Display for BodyError {
     }
 }
 
+impl BodyError {
+    /// The error it carries.
+    pub fn inner(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
 impl std::error::Error for BodyError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.0.source()
@@ -43,6 +50,8 @@ pub enum ProxyError {
     BodyTooLarge(usize),
     #[error("could not read the request body: {0}")]
     RequestBody(String),
+    #[error("the request body stalled: no data for {0} ms (proxy.body_read_timeout_ms)")]
+    RequestTimeout(u64),
     #[error("not found: {0}")]
     NotFound(String),
 }
@@ -54,6 +63,7 @@ impl ProxyError {
             Self::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
             Self::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             Self::RequestBody(_) => StatusCode::BAD_REQUEST,
+            Self::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
         }
     }
@@ -65,6 +75,7 @@ impl ProxyError {
             Self::Upstream(_) => "upstream_error",
             Self::BodyTooLarge(_) => "request_too_large",
             Self::RequestBody(_) => "bad_request_body",
+            Self::RequestTimeout(_) => "request_timeout",
             Self::NotFound(_) => "not_found",
         }
     }

@@ -8,6 +8,7 @@ mod config;
 mod error;
 mod forward;
 mod headers;
+mod limits;
 mod routing;
 mod server;
 mod telemetry;

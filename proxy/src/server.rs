@@ -25,6 +25,7 @@ use crate::capture::{spawn_encoder, CaptureLayer, CaptureShared, EpisodePerCall,
 use crate::config::Config;
 use crate::error::{box_body_error, ProxyBody, ProxyError};
 use crate::forward::{ErrorToResponse, Forward};
+use crate::limits::{open_files_limit, shed, IdleTimeoutBody};
 use crate::routing::{RoutingLayer, RoutingShared};
 use crate::telemetry::{admin_router, prometheus, Readiness, TelemetryLayer};
 
@@ -44,7 +45,8 @@ pub struct ShutdownReport {
 }
 
 /// Builds the request stack. Order, outermost first:
-/// 1. `map_request`: hyper's body becomes the stack's boxed body type.
+/// 1. `map_request`: hyper's body becomes the stack's boxed body type, failing with a 408 when
+///    the client stops sending it (`proxy.body_read_timeout_ms`).
 /// 2. `ErrorToResponse`: the single place a [`ProxyError`] becomes an HTTP response, so every
 ///    layer below may fail with `?`.
 /// 3. `Telemetry`: span + metrics; sits outside routing and capture so it sees every request
@@ -69,9 +71,13 @@ fn stack(
        + Send
        + 'static {
     let p = &config.proxy;
+    let body_timeout = p.body_read_timeout;
     ServiceBuilder::new()
-        .map_request(|req: Request<hyper::body::Incoming>| {
-            req.map(|b| b.map_err(box_body_error).boxed_unsync())
+        .map_request(move |req: Request<hyper::body::Incoming>| {
+            req.map(|b| {
+                let body = b.map_err(box_body_error).boxed_unsync();
+                IdleTimeoutBody::new(body, body_timeout).boxed_unsync()
+            })
         })
         .layer_fn(ErrorToResponse::new)
         .layer(TelemetryLayer::new(&p.route))
@@ -163,7 +169,24 @@ pub async fn run(
     tracing::info!(?addr, upstream = %config.proxy.upstream.authority, "Proxy listening.");
     ready.set(true);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(config.proxy.header_read_timeout);
+    let max_connections = config.proxy.max_connections;
+    if let Some(fds) = open_files_limit() {
+        if (max_connections as u64) * 2 + 256 > fds {
+            tracing::warn!(
+                max_connections,
+                open_files_limit = fds,
+                "proxy.max_connections is over half the open-files limit: descriptors may run out before connections are shed."
+            );
+        }
+    }
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
+    let open_gauge = metrics::gauge!("hindsight_proxy_connections_open");
+    let shed_total = metrics::counter!("hindsight_proxy_connections_shed_total");
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -178,14 +201,31 @@ pub async fn run(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let conn = builder
-                    .serve_connection_with_upgrades(TokioIo::new(stream), TowerToHyperService::new(service.clone()))
-                    .into_owned();
-                let conn = graceful.watch(conn);
+                let Ok(slot) = slots.clone().try_acquire_owned() else {
+                    shed_total.increment(1);
+                    tokio::spawn(shed(stream, max_connections, 1));
+                    continue;
+                };
+                let open = open_gauge.clone();
+                open.increment(1.0);
+                let (builder, service, watcher) = (builder.clone(), service.clone(), graceful.watcher());
+                let first_bytes_within = config.proxy.header_read_timeout;
                 tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(error = %e, "Connection ended with an error.");
+                    // hyper's header timeout starts once a request's first bytes arrive (protocol
+                    // detection waits for them before it), so a client that connects and sends
+                    // nothing is bounded here.
+                    let mut probe = [0u8; 1];
+                    let first = tokio::time::timeout(first_bytes_within, stream.peek(&mut probe)).await;
+                    if matches!(first, Ok(Ok(n)) if n > 0) {
+                        let conn = builder
+                            .serve_connection_with_upgrades(TokioIo::new(stream), TowerToHyperService::new(service))
+                            .into_owned();
+                        if let Err(e) = watcher.watch(conn).await {
+                            tracing::debug!(error = %e, "Connection ended with an error.");
+                        }
                     }
+                    open.decrement(1.0);
+                    drop(slot);
                 });
             }
             () = &mut shutdown => break,

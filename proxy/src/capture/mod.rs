@@ -231,7 +231,7 @@ pub(crate) fn read_limited(
             Err(e) if e.is::<http_body_util::LengthLimitError>() => {
                 Err(ProxyError::BodyTooLarge(limit))
             }
-            Err(e) => Err(ProxyError::RequestBody(e.to_string())),
+            Err(e) => Err(crate::limits::body_read_error(&*e)),
         }
     })
 }
