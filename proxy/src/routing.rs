@@ -13,23 +13,25 @@
 //! the interaction id.
 
 use std::future::Future;
+use std::ops::Range;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::{HeaderValue, Request, Response};
-use serde::Deserialize;
-use serde_json::value::RawValue;
-use serde_json::Value;
-use sha2::{Digest, Sha256};
+use metrics::Counter;
 use uuid::Uuid;
 
-use hindsight_routing::{Assignment, EpisodeMemory, TableHandle};
+use hindsight_routing::{Arm, Assignment, EpisodeMemory, TableHandle};
 
 use crate::capture::read_limited;
 use crate::error::{full, ProxyBody, ProxyError};
 use crate::headers;
+
+mod request_fields;
+
+pub(crate) use request_fields::RequestFields;
 
 /// What routing decided for a request, for capture to record.
 #[derive(Debug, Clone)]
@@ -39,6 +41,9 @@ pub struct Routed {
     /// The interaction id (used as the sticky key when nothing better existed; capture reuses
     /// it so the record and the assignment agree).
     pub interaction_id: Uuid,
+    /// Whether the client asked for log-probs itself, read in routing's pass over the body so
+    /// capture need not parse it again.
+    pub wants_logprobs: bool,
 }
 
 /// Shared by every clone of the layer.
@@ -49,17 +54,45 @@ pub struct RoutingShared {
     pub max_request_body_bytes: usize,
 }
 
+/// The shared state and the per-arm counters, registered once rather than looked up by
+/// name and label on every request.
+struct Shared {
+    config: RoutingShared,
+    routed_total: [Counter; 3],
+}
+
+impl Shared {
+    fn routed_total(&self, arm: Arm) -> &Counter {
+        match arm {
+            Arm::Stable => &self.routed_total[0],
+            Arm::Canary => &self.routed_total[1],
+            Arm::Pinned => &self.routed_total[2],
+        }
+    }
+}
+
 /// `tower::Layer` adding canary assignment.
 #[derive(Clone)]
 pub struct RoutingLayer {
-    shared: Option<Arc<RoutingShared>>,
+    shared: Option<Arc<Shared>>,
 }
 
 impl RoutingLayer {
     /// Routing from `shared`, or a pass-through when `None` (routing disabled).
     pub fn new(shared: Option<RoutingShared>) -> Self {
+        let counter =
+            |arm: Arm| metrics::counter!("hindsight_proxy_routed_total", "arm" => arm.as_str());
         Self {
-            shared: shared.map(Arc::new),
+            shared: shared.map(|config| {
+                Arc::new(Shared {
+                    config,
+                    routed_total: [
+                        counter(Arm::Stable),
+                        counter(Arm::Canary),
+                        counter(Arm::Pinned),
+                    ],
+                })
+            }),
         }
     }
 }
@@ -77,7 +110,7 @@ impl<S> tower::Layer<S> for RoutingLayer {
 #[derive(Clone)]
 pub struct Routing<S> {
     inner: S,
-    shared: Option<Arc<RoutingShared>>,
+    shared: Option<Arc<Shared>>,
 }
 
 impl<S> tower::Service<Request<ProxyBody>> for Routing<S>
@@ -103,49 +136,62 @@ where
             return Box::pin(inner.call(req));
         };
         let routable = req.method() == http::Method::POST
-            && shared.capture_paths.iter().any(|p| p == req.uri().path());
-        let table = shared.table.snapshot();
+            && shared
+                .config
+                .capture_paths
+                .iter()
+                .any(|p| p == req.uri().path());
+        let table = shared.config.table.snapshot();
         if !routable || table.is_empty() {
             return Box::pin(inner.call(req));
         }
         Box::pin(async move {
             let (mut parts, body) = req.into_parts();
-            let body = read_limited(body, shared.max_request_body_bytes).await?;
-            let Some((model, span)) = peek_model(&body) else {
-                return inner.call(Request::from_parts(parts, full(body))).await;
-            };
-            let Some(route) = table.get(&model) else {
-                return inner.call(Request::from_parts(parts, full(body))).await;
-            };
+            let body = read_limited(body, shared.config.max_request_body_bytes).await?;
             let header = |name: &str| {
                 parts
                     .headers
                     .get(name)
                     .and_then(|v| v.to_str().ok())
                     .filter(|v| !v.is_empty())
-                    .map(str::to_string)
+            };
+            let episode_header = header(headers::EPISODE);
+            // One pass over the body for everything routing and capture read from it.
+            let fields = RequestFields::parse(&body, episode_header.is_none());
+            let Some((model, span)) = fields.as_ref().and_then(RequestFields::model) else {
+                return inner.call(Request::from_parts(parts, full(body))).await;
+            };
+            let Some(route) = table.get(&model) else {
+                return inner.call(Request::from_parts(parts, full(body))).await;
             };
             let user = header(headers::USER);
-            let episode = header(headers::EPISODE).or_else(|| conversation_root(&body));
+            let episode = episode_header
+                .or_else(|| fields.as_ref().and_then(RequestFields::conversation_root));
+            let wants_logprobs = fields.as_ref().is_some_and(RequestFields::wants_logprobs);
             let interaction_id = Uuid::now_v7();
-            let id_key = interaction_id.to_string();
-            let key = user.clone().or_else(|| episode.clone()).unwrap_or(id_key);
             // The episode a turn belongs to is the user's own: two users who open their
             // conversations the same way are two episodes, each on its user's arm.
-            let episode = match (&user, episode) {
+            let user_episode = match (user, episode) {
                 (Some(u), Some(e)) => Some(format!("{u}\u{0}{e}")),
-                (_, e) => e,
+                _ => None,
             };
-            let assignment = shared
-                .memory
-                .assign(route, user.as_deref(), episode.as_deref(), &key);
-            metrics::counter!("hindsight_proxy_routed_total", "arm" => assignment.arm.as_str())
-                .increment(1);
+            let assignment = {
+                let mut id_key = Uuid::encode_buffer();
+                // The sticky key: the user alone (a user keeps one arm), else the episode.
+                let key = match user.or(episode) {
+                    Some(k) => k,
+                    None => interaction_id.hyphenated().encode_lower(&mut id_key),
+                };
+                let episode = user_episode.as_deref().or(episode);
+                shared.config.memory.assign(route, user, episode, key)
+            };
+            shared.routed_total(assignment.arm).increment(1);
             let body = replace_span(&body, span, &assignment.version);
             let version = HeaderValue::from_str(&assignment.version).ok();
             parts.extensions.insert(Routed {
                 assignment,
                 interaction_id,
+                wants_logprobs,
             });
             parts.headers.remove(http::header::CONTENT_LENGTH);
             let mut resp = inner.call(Request::from_parts(parts, full(body))).await?;
@@ -157,71 +203,29 @@ where
     }
 }
 
-#[derive(Deserialize)]
-struct Peek<'a> {
-    #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-}
-
-/// The request's top-level `model` string and the byte span of its JSON value, or `None` when
-/// the body is not a JSON object with a string `model` (such requests pass through).
-fn peek_model(body: &[u8]) -> Option<(String, (usize, usize))> {
-    let text = std::str::from_utf8(body).ok()?;
-    let peek: Peek<'_> = serde_json::from_str(text).ok()?;
-    let raw = peek.model?;
-    let model: String = serde_json::from_str(raw.get()).ok()?;
-    let start = (raw.get().as_ptr() as usize).checked_sub(text.as_ptr() as usize)?;
-    Some((model, (start, start + raw.get().len())))
-}
-
 /// `body` with the bytes in `span` replaced by `version` as a JSON string.
-fn replace_span(body: &Bytes, span: (usize, usize), version: &str) -> Bytes {
-    let quoted = Value::String(version.to_string()).to_string();
-    let mut out = BytesMut::with_capacity(body.len() + quoted.len());
-    out.extend_from_slice(&body[..span.0]);
-    out.extend_from_slice(quoted.as_bytes());
-    out.extend_from_slice(&body[span.1..]);
-    out.freeze()
-}
-
-#[derive(Deserialize)]
-struct Messages {
-    #[serde(default)]
-    messages: Option<Vec<Value>>,
-}
-
-/// `conv:<hex>`: a hash of the messages up to and including the first user message, which
-/// every later turn of the same conversation repeats verbatim.
-fn conversation_root(body: &[u8]) -> Option<String> {
-    let messages = serde_json::from_slice::<Messages>(body).ok()?.messages?;
-    let end = messages
-        .iter()
-        .position(|m| m.get("role").and_then(Value::as_str) == Some("user"))?;
-    let mut h = Sha256::new();
-    for m in &messages[..=end] {
-        h.update(
-            m.get("role")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .as_bytes(),
-        );
-        h.update([0u8]);
-        h.update(
-            m.get("content")
-                .map(Value::to_string)
-                .unwrap_or_default()
-                .as_bytes(),
-        );
-        h.update([1u8]);
+fn replace_span(body: &Bytes, span: Range<usize>, version: &str) -> Bytes {
+    let mut out = Vec::with_capacity(body.len() + version.len() + 2);
+    out.extend_from_slice(&body[..span.start]);
+    if serde_json::to_writer(&mut out, version).is_err() {
+        // Unreachable (writes to a `Vec` do not fail); `Value`'s `Display` cannot fail at all.
+        out.truncate(span.start);
+        out.extend_from_slice(serde_json::Value::from(version).to_string().as_bytes());
     }
-    let d = h.finalize();
-    Some(format!("conv:{}", hex::encode(&d[..12])))
+    out.extend_from_slice(&body[span.end..]);
+    Bytes::from(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use serde_json::Value;
+
+    fn peek_model(body: &[u8]) -> Option<(String, Range<usize>)> {
+        let fields = RequestFields::parse(body, false)?;
+        fields.model().map(|(m, span)| (m.into_owned(), span))
+    }
 
     #[test]
     fn the_model_is_replaced_in_place_and_nothing_else_changes() {
@@ -242,25 +246,13 @@ mod tests {
         for b in [
             &br#"{"model": 3}"#[..],
             br#"[1,2]"#,
+            br#"["support"]"#,
             br#"not json"#,
             br#"{"messages": []}"#,
             br#"{"model":"a","model":"b"}"#,
         ] {
             assert!(peek_model(b).is_none(), "{}", String::from_utf8_lossy(b));
         }
-    }
-
-    #[test]
-    fn every_turn_of_a_conversation_shares_its_root() {
-        let t1 =
-            br#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#;
-        let t2 = br#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"},
-            {"role":"assistant","content":"x"},{"role":"user","content":"more"}]}"#;
-        let other =
-            br#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"bye"}]}"#;
-        assert_eq!(conversation_root(t1), conversation_root(t2));
-        assert_ne!(conversation_root(t1), conversation_root(other));
-        assert_eq!(conversation_root(br#"{"prompt":"x"}"#), None);
     }
 
     proptest! {

@@ -9,7 +9,7 @@
 //! ([`EpisodeMemory`]), even when the weight moves under it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
 
@@ -86,19 +86,17 @@ pub fn assign(route: &Route, user: Option<&str>, key: &str) -> Assignment {
     }
 }
 
-/// What an episode was first assigned, so its later turns keep the version.
-#[derive(Debug, Clone)]
-struct Remembered {
-    rollout_id: String,
-    assignment: Assignment,
-}
+/// Episode → what it was first assigned (its `rollout_id` is the rollout it started in), so
+/// its later turns keep the version; and the keys oldest first. A key is allocated once and
+/// shared by both.
+type Remembered = (HashMap<Arc<str>, Assignment>, VecDeque<Arc<str>>);
 
 /// Bounded memory of episode → assignment for episodes that started during a rollout. The
 /// oldest entries are forgotten first; an episode forgotten mid-way falls back to its sticky
 /// key, which keeps it on its arm unless the weight moved in between.
 pub struct EpisodeMemory {
     capacity: usize,
-    inner: Mutex<(HashMap<String, Remembered>, VecDeque<String>)>,
+    inner: Mutex<Remembered>,
 }
 
 impl EpisodeMemory {
@@ -133,14 +131,11 @@ impl EpisodeMemory {
             return fresh;
         };
         let (map, order) = &mut *guard;
-        if let Some(prev) = map.get(&mem_key) {
-            let still_served = prev.assignment.version == route.stable
-                || prev.assignment.version == rollout.canary;
-            if prev.rollout_id == rollout.id && still_served {
-                let mut kept = prev.assignment.clone();
+        if let Some(prev) = map.get(mem_key.as_str()) {
+            let still_served = prev.version == route.stable || prev.version == rollout.canary;
+            if prev.rollout_id.as_deref() == Some(rollout.id.as_str()) && still_served {
                 // The probability the episode's *first* turn had; it decided the arm.
-                kept.rollout_id = Some(rollout.id.clone());
-                return kept;
+                return prev.clone();
             }
         }
         if map.len() >= self.capacity {
@@ -150,16 +145,8 @@ impl EpisodeMemory {
                 }
             }
         }
-        if map
-            .insert(
-                mem_key.clone(),
-                Remembered {
-                    rollout_id: rollout.id.clone(),
-                    assignment: fresh.clone(),
-                },
-            )
-            .is_none()
-        {
+        let mem_key: Arc<str> = Arc::from(mem_key);
+        if map.insert(mem_key.clone(), fresh.clone()).is_none() {
             order.push_back(mem_key);
         }
         fresh

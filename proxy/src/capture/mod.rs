@@ -28,6 +28,9 @@ use crate::headers;
 use hindsight_core::now_ms;
 
 pub use encoder::{spawn_encoder, EncoderHandle, EpisodePerCall, EpisodeResolver};
+/// Routing's one-pass reading of the body is tested against it.
+#[cfg(test)]
+pub(crate) use strip::client_wants_logprobs;
 
 /// One finished call, as raw as it was seen; the encoder turns it into an `InteractionRecord`.
 #[derive(Debug)]
@@ -134,8 +137,12 @@ where
             let interaction_id = routed
                 .as_ref()
                 .map_or_else(Uuid::now_v7, |r| r.interaction_id);
-            let behaviour_injected =
-                shared.request_behaviour && !strip::client_wants_logprobs(&request);
+            // Routing already read the body for `logprobs`; read it here only when it did not.
+            let behaviour_injected = shared.request_behaviour
+                && !routed.as_ref().map_or_else(
+                    || strip::client_wants_logprobs(&request),
+                    |r| r.wants_logprobs,
+                );
             if behaviour_injected {
                 parts
                     .headers
