@@ -7,12 +7,15 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::Semaphore;
 use tokio::time::{Instant, Sleep};
 
 use crate::error::{box_body_error, BodyError, ProxyBody, ProxyError};
@@ -103,7 +106,7 @@ pub fn body_read_error(e: &(dyn std::error::Error + 'static)) -> ProxyError {
 
 /// Answers a connection over `proxy.max_connections` with a 503 and `Retry-After`, then
 /// closes it. Written on the raw socket: the request is never read, which is the point.
-pub async fn shed(mut stream: tokio::net::TcpStream, max: usize, retry_after_s: u64) {
+async fn shed(mut stream: TcpStream, max: usize, retry_after_s: u64) {
     let body = hindsight_core::error_body(
         &format!(
             "the proxy holds its maximum of {max} connections (proxy.max_connections); retry later"
@@ -126,8 +129,68 @@ pub async fn shed(mut stream: tokio::net::TcpStream, max: usize, retry_after_s: 
     let _ = tokio::time::timeout(Duration::from_secs(1), write).await;
 }
 
+/// Admits client connections: at most `max` open (beyond it, [`shed`]), and each must send its
+/// first bytes within `first_bytes_within`.
+pub struct Admission {
+    slots: Arc<Semaphore>,
+    max: usize,
+    first_bytes_within: Duration,
+    open: metrics::Gauge,
+    shed: metrics::Counter,
+}
+
+impl Admission {
+    pub fn new(max: usize, first_bytes_within: Duration) -> Self {
+        if let Some(fds) = open_files_limit() {
+            if (max as u64) * 2 + 256 > fds {
+                tracing::warn!(
+                    max_connections = max,
+                    open_files_limit = fds,
+                    "proxy.max_connections is over half the open-files limit: descriptors may run out before connections are shed."
+                );
+            }
+        }
+        Self {
+            slots: Arc::new(Semaphore::new(max)),
+            max,
+            first_bytes_within,
+            open: metrics::gauge!("hindsight_proxy_connections_open"),
+            shed: metrics::counter!("hindsight_proxy_connections_shed_total"),
+        }
+    }
+
+    /// Serves `stream` with `serve` on its own task when a slot is free and the client speaks
+    /// in time; sheds it with a 503 when none is free.
+    pub fn admit<F, Fut>(&self, stream: TcpStream, serve: F)
+    where
+        F: FnOnce(TcpStream) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send,
+    {
+        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
+            self.shed.increment(1);
+            tokio::spawn(shed(stream, self.max, 1));
+            return;
+        };
+        let open = self.open.clone();
+        open.increment(1.0);
+        let first_bytes_within = self.first_bytes_within;
+        tokio::spawn(async move {
+            // hyper's header timeout starts once a request's first bytes arrive (protocol
+            // detection waits for them before it), so a client that connects and sends nothing
+            // is bounded here.
+            let mut probe = [0u8; 1];
+            let first = tokio::time::timeout(first_bytes_within, stream.peek(&mut probe)).await;
+            if matches!(first, Ok(Ok(n)) if n > 0) {
+                serve(stream).await;
+            }
+            open.decrement(1.0);
+            drop(slot);
+        });
+    }
+}
+
 /// The soft limit on open file descriptors (Linux: `/proc/self/limits`), if readable.
-pub fn open_files_limit() -> Option<u64> {
+fn open_files_limit() -> Option<u64> {
     let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
     let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
     line.split_whitespace().nth(3)?.parse().ok()

@@ -25,7 +25,7 @@ use crate::capture::{spawn_encoder, CaptureLayer, CaptureShared, EpisodePerCall,
 use crate::config::Config;
 use crate::error::{box_body_error, ProxyBody, ProxyError};
 use crate::forward::{ErrorToResponse, Forward};
-use crate::limits::{open_files_limit, shed, IdleTimeoutBody};
+use crate::limits::{Admission, IdleTimeoutBody};
 use crate::routing::{RoutingLayer, RoutingShared};
 use crate::telemetry::{admin_router, prometheus, Readiness, TelemetryLayer};
 
@@ -169,24 +169,11 @@ pub async fn run(
     tracing::info!(?addr, upstream = %config.proxy.upstream.authority, "Proxy listening.");
     ready.set(true);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(config.proxy.header_read_timeout);
-    let max_connections = config.proxy.max_connections;
-    if let Some(fds) = open_files_limit() {
-        if (max_connections as u64) * 2 + 256 > fds {
-            tracing::warn!(
-                max_connections,
-                open_files_limit = fds,
-                "proxy.max_connections is over half the open-files limit: descriptors may run out before connections are shed."
-            );
-        }
-    }
-    let slots = Arc::new(tokio::sync::Semaphore::new(max_connections));
-    let open_gauge = metrics::gauge!("hindsight_proxy_connections_open");
-    let shed_total = metrics::counter!("hindsight_proxy_connections_shed_total");
+    let builder = http_builder(config.proxy.header_read_timeout);
+    let admission = Admission::new(
+        config.proxy.max_connections,
+        config.proxy.header_read_timeout,
+    );
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -201,31 +188,14 @@ pub async fn run(
                     }
                 };
                 let _ = stream.set_nodelay(true);
-                let Ok(slot) = slots.clone().try_acquire_owned() else {
-                    shed_total.increment(1);
-                    tokio::spawn(shed(stream, max_connections, 1));
-                    continue;
-                };
-                let open = open_gauge.clone();
-                open.increment(1.0);
                 let (builder, service, watcher) = (builder.clone(), service.clone(), graceful.watcher());
-                let first_bytes_within = config.proxy.header_read_timeout;
-                tokio::spawn(async move {
-                    // hyper's header timeout starts once a request's first bytes arrive (protocol
-                    // detection waits for them before it), so a client that connects and sends
-                    // nothing is bounded here.
-                    let mut probe = [0u8; 1];
-                    let first = tokio::time::timeout(first_bytes_within, stream.peek(&mut probe)).await;
-                    if matches!(first, Ok(Ok(n)) if n > 0) {
-                        let conn = builder
-                            .serve_connection_with_upgrades(TokioIo::new(stream), TowerToHyperService::new(service))
-                            .into_owned();
-                        if let Err(e) = watcher.watch(conn).await {
-                            tracing::debug!(error = %e, "Connection ended with an error.");
-                        }
+                admission.admit(stream, move |stream| async move {
+                    let conn = builder
+                        .serve_connection_with_upgrades(TokioIo::new(stream), TowerToHyperService::new(service))
+                        .into_owned();
+                    if let Err(e) = watcher.watch(conn).await {
+                        tracing::debug!(error = %e, "Connection ended with an error.");
                     }
-                    open.decrement(1.0);
-                    drop(slot);
                 });
             }
             () = &mut shutdown => break,
@@ -262,6 +232,16 @@ pub async fn run(
         connections_cut,
         log,
     })
+}
+
+/// HTTP/1 and HTTP/2 on one port; a request head must arrive within `header_read_timeout`.
+fn http_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(header_read_timeout);
+    builder
 }
 
 /// Episode inference from the conversation itself: a call whose messages extend an earlier
