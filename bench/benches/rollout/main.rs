@@ -6,7 +6,7 @@
 //!    (polled about every millisecond).
 //! 2. **Overhead of routing**: one proxy with `routing.enabled = false` and one with a rollout
 //!    at weight 0.5 on the route every request names, both logging to Kafka, in front of the
-//!    same immediate mock upstream; `REQUESTS` sequential and `REQUESTS` concurrent requests per
+//!    same mock upstream (answering at once, or after `UPSTREAM_LATENCY_US`); `REQUESTS` sequential and `REQUESTS` concurrent requests per
 //!    proxy, in alternating blocks (A B B A ...) so drift cancels. Reports p50 / p99 / mean and
 //!    throughput of each and their difference, with the spread of the paired block medians.
 //! 3. **Exposures to roll back a harmful canary**: the controller's sequential guard
@@ -81,7 +81,7 @@ fn main() -> anyhow::Result<()> {
             .enable_all()
             .build()?;
         let redis = Redis::start()?;
-        let upstream = servers.block_on(start_upstream())?;
+        let upstream = servers.block_on(start_upstream(s.upstream_latency))?;
         driver.block_on(async {
             if s.runs("propagation") {
                 results["propagation"] =

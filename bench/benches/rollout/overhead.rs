@@ -177,8 +177,8 @@ pub(crate) async fn compare(
         );
     };
     println!(
-        "-- concurrency {concurrency}, {} blocks of {per_block} per proxy",
-        s.blocks
+        "-- concurrency {concurrency}, {} blocks of {per_block} per proxy, upstream answers after {:?}",
+        s.blocks, s.upstream_latency
     );
     row("routing off", &ja);
     row("routing on (w 0.5)", &jb);
@@ -271,8 +271,8 @@ pub(crate) async fn overhead(
         .wait_for(&client, route.generation, Duration::from_secs(10))
         .await?;
     println!(
-        "\n== 2. overhead of routing: {} requests per proxy per mode, immediate mock upstream, Kafka logging on in both",
-        s.requests
+        "\n== 2. overhead of routing: {} requests per proxy per mode, mock upstream answering after {:?}, Kafka logging on in both",
+        s.requests, s.upstream_latency
     );
     // Warm both (connection pools, the producer, the allocator); not recorded.
     let mut warm = ArmStats::new()?;

@@ -67,12 +67,15 @@ impl Drop for Redis {
     }
 }
 
-/// The mock upstream: answers every chat completion at once with a fixed small body.
-pub(crate) async fn start_upstream() -> anyhow::Result<SocketAddr> {
+/// The mock upstream: answers every chat completion with a fixed small body after `latency`.
+pub(crate) async fn start_upstream(latency: Duration) -> anyhow::Result<SocketAddr> {
     let app = Router::new().route(
         "/v1/chat/completions",
         // Taking the body reads it, as a real server would, so connections stay reusable.
-        post(|_body: axum::body::Bytes| async {
+        post(move |_body: axum::body::Bytes| async move {
+            if !latency.is_zero() {
+                tokio::time::sleep(latency).await;
+            }
             (
                 [(http::header::CONTENT_TYPE, "application/json")],
                 CHAT_BODY,

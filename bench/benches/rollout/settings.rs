@@ -53,6 +53,9 @@ pub(crate) struct Settings {
     pub(crate) max_canary_exposures: u64,
     pub(crate) false_alarm_horizon: u64,
     pub(crate) brokers: String,
+    /// How long the mock upstream takes to answer (0: at once, which shows routing's cost
+    /// plainly; 10 ms: the proxy overhead bench's upstream, a fast model's floor).
+    pub(crate) upstream_latency: Duration,
 }
 
 impl Settings {
@@ -95,6 +98,7 @@ impl Settings {
             max_canary_exposures: setting("MAX_CANARY_EXPOSURES", 20_000)?,
             false_alarm_horizon: setting("FALSE_ALARM_HORIZON", 2_000)?,
             brokers: setting("KAFKA_BROKERS", "127.0.0.1:9092".to_string())?,
+            upstream_latency: Duration::from_micros(setting("UPSTREAM_LATENCY_US", 0u64)?),
         };
         let unit = |p: f64| p > 0.0 && p < 1.0;
         check(s.changes >= 1, "CHANGES", s.changes, "at least 1")?;
