@@ -9,6 +9,7 @@
 #[path = "rollout/common.rs"]
 #[allow(dead_code)]
 mod common;
+mod support;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

@@ -9,76 +9,20 @@
 //! binaries one after another).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use axum::routing::post;
-use axum::{Json, Router};
 use hindsight_feedback::{InteractionRecord, LogConfig, Topic, TopicReader};
-use serde_json::{json, Value};
-
-fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-
-fn services(action: &str) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/services.sh");
-    let out = Command::new("bash")
-        .arg(script)
-        .arg(action)
-        .output()
-        .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    print!("services.sh {action}: {said}");
-    assert!(out.status.success(), "services.sh {action} failed:\n{said}");
-}
-
-/// Whether anything accepts connections on the broker's port.
-fn broker_port_open() -> bool {
-    let first = brokers().split(',').next().unwrap_or_default().to_string();
-    std::net::TcpStream::connect_timeout(&first.parse().unwrap(), Duration::from_millis(500))
-        .is_ok()
-}
-
-/// Starts the broker again even when the test fails half-way, so later tests find it up.
-struct BrokerGuard;
-impl Drop for BrokerGuard {
-    fn drop(&mut self) {
-        services("kafka-start");
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The customer's model server: answers every chat request at once.
-async fn start_upstream() -> SocketAddr {
-    async fn chat(Json(_): Json<Value>) -> Json<Value> {
-        Json(json!({
-            "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "ok"}}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-        }))
-    }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = Router::new().route("/v1/chat/completions", post(chat));
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    addr
-}
+use serde_json::json;
+use support::{
+    broker_port_open, brokers, free_port, metric_sum, require_local_broker, services,
+    start_chat_upstream, BrokerGuard,
+};
 
 /// A `hindsight proxy` process with its record log spilling into `dir/spill`.
 struct ProxyProcess {
@@ -131,20 +75,9 @@ probe_interval_ms = 500
         self.child.wait().unwrap();
     }
 
-    /// Sum of a metric's samples over its label sets, from the admin listener.
-    async fn metric(&self, client: &reqwest::Client, name: &str) -> f64 {
-        let text = client
-            .get(format!("http://127.0.0.1:{}/metrics", self.admin))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        text.lines()
-            .filter(|l| l.split([' ', '{']).next() == Some(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .fold(0.0, |a, b| a + b)
+    /// Sum of a metric's samples, from the admin listener.
+    async fn metric(&self, name: &str) -> f64 {
+        metric_sum(format!("127.0.0.1:{}", self.admin), name).await
     }
 
     /// One chat request; returns the interaction id and how long the client waited.
@@ -213,11 +146,9 @@ async fn interaction_ids(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_killed_then_proxy_killed_loses_no_record_and_fails_no_request() {
-    if !brokers().starts_with("127.0.0.1:9092") {
-        panic!("the outage test kills the local broker; it needs KAFKA_BROKERS=127.0.0.1:9092");
-    }
+    require_local_broker();
     let client = reqwest::Client::new();
-    let upstream = start_upstream().await;
+    let upstream = start_chat_upstream().await;
     let dir = tempfile::tempdir().unwrap();
     let prefix = format!("test-outage-{}", uuid::Uuid::now_v7().simple());
     let proxy = ProxyProcess::start(upstream, dir.path(), &prefix);
@@ -240,12 +171,8 @@ async fn broker_killed_then_proxy_killed_loses_no_record_and_fails_no_request() 
         ids.insert(id);
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let spilled = proxy
-        .metric(&client, "hindsight_log_spilled_records_total")
-        .await;
-    let unreachable = proxy
-        .metric(&client, "hindsight_log_broker_unreachable")
-        .await;
+    let spilled = proxy.metric("hindsight_log_spilled_records_total").await;
+    let unreachable = proxy.metric("hindsight_log_broker_unreachable").await;
     proxy.kill();
     assert!(
         !broker_port_open(),
@@ -275,12 +202,8 @@ async fn broker_killed_then_proxy_killed_loses_no_record_and_fails_no_request() 
         missing.iter().take(3).collect::<Vec<_>>()
     );
     assert_eq!(got.len(), ids.len(), "no foreign records");
-    let replayed = proxy
-        .metric(&client, "hindsight_log_replayed_records_total")
-        .await;
-    let dropped = proxy
-        .metric(&client, "hindsight_log_dropped_records_total")
-        .await;
+    let replayed = proxy.metric("hindsight_log_replayed_records_total").await;
+    let dropped = proxy.metric("hindsight_log_dropped_records_total").await;
     println!("after restart: replayed {replayed} records from the spill, dropped {dropped}");
     assert!(
         replayed >= 300.0,

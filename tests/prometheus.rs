@@ -10,22 +10,18 @@
 //! the one `hindsight join` uses, and its series are checked by name against the code.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::collections::BTreeSet;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use axum::routing::post;
-use axum::{Json, Router};
 use hindsight_routing::{RoutingStore, StoreConfig};
 use serde_json::{json, Value};
+use support::{brokers, free_port, start_chat_upstream};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
-
-fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
 
 fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into())
@@ -33,14 +29,6 @@ fn redis_url() -> String {
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(ROOT).join("deploy").join(path)
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Runs a checker to completion; its output in the panic message when it fails.
@@ -297,23 +285,6 @@ fn wait_port(port: u16, what: &Process) {
     }
 }
 
-/// The model server: answers every chat request at once.
-async fn start_upstream() -> SocketAddr {
-    async fn chat(Json(_): Json<Value>) -> Json<Value> {
-        Json(json!({
-            "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": "ok"}}],
-            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-        }))
-    }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let app = Router::new().route("/v1/chat/completions", post(chat));
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    addr
-}
-
 /// Prometheus's HTTP API.
 struct PromApi {
     client: reqwest::Client,
@@ -367,7 +338,7 @@ async fn a_real_prometheus_scrapes_the_running_processes() {
 
     // The proxy in front of the mock model, with the feedback API (unsigned: no secrets) and
     // a routing table for the route `support`.
-    let upstream = start_upstream().await;
+    let upstream = start_chat_upstream().await;
     let (proxy_port, proxy_admin) = (free_port(), free_port());
     std::fs::write(
         d.join("proxy.toml"),

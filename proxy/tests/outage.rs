@@ -8,46 +8,11 @@
 mod common;
 
 use std::collections::HashSet;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::support::{broker_port_open, metric_sum, require_local_broker, services, BrokerGuard};
 use common::*;
 use serde_json::json;
-
-fn services(action: &str) {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/services.sh");
-    let out = Command::new("bash")
-        .arg(script)
-        .arg(action)
-        .output()
-        .unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    print!("services.sh {action}: {said}");
-    assert!(out.status.success(), "services.sh {action} failed:\n{said}");
-}
-
-/// Whether anything accepts connections on the broker's port.
-fn broker_port_open() -> bool {
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    let addr = brokers
-        .split(',')
-        .next()
-        .unwrap_or("127.0.0.1:9092")
-        .to_string();
-    std::net::TcpStream::connect_timeout(&addr.parse().unwrap(), Duration::from_millis(500)).is_ok()
-}
-
-/// Restarts the broker even when the test fails half-way, so later tests find it up.
-struct BrokerGuard;
-impl Drop for BrokerGuard {
-    fn drop(&mut self) {
-        services("kafka-start");
-    }
-}
 
 async fn send(proxy: &TestProxy, i: usize, phase: &str) -> (String, Duration) {
     let started = Instant::now();
@@ -67,27 +32,13 @@ async fn send(proxy: &TestProxy, i: usize, phase: &str) -> (String, Duration) {
     (id, started.elapsed())
 }
 
-/// Sum of a metric's samples over all label sets, from the proxy's /metrics.
-async fn metric_sum(proxy: &TestProxy, name: &str) -> f64 {
-    let m = client()
-        .get(format!("http://{}/metrics", proxy.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    m.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
+async fn metric(proxy: &TestProxy, name: &str) -> f64 {
+    metric_sum(proxy.admin, name).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_outage_loses_no_record_and_fails_no_request() {
-    if std::env::var("KAFKA_BROKERS").is_ok_and(|b| !b.starts_with("127.0.0.1:9092")) {
-        panic!("the outage test stops the local broker; it needs KAFKA_BROKERS=127.0.0.1:9092");
-    }
+    require_local_broker();
     let up = start_mock_upstream().await;
     let proxy = start_proxy(up, |c| {
         c.log.message_timeout_ms = 2_000;
@@ -118,7 +69,7 @@ async fn broker_outage_loses_no_record_and_fails_no_request() {
     let mut spilled = 0.0;
     while waited.elapsed() < Duration::from_secs(30) {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        spilled = metric_sum(&proxy, "hindsight_log_spilled_records_total").await;
+        spilled = metric(&proxy, "hindsight_log_spilled_records_total").await;
         if spilled > 0.0 && waited.elapsed() > Duration::from_secs(3) {
             break;
         }
@@ -149,7 +100,7 @@ async fn broker_outage_loses_no_record_and_fails_no_request() {
         spilled > 0.0,
         "the outage should have sent records to the spill"
     );
-    let replayed = metric_sum(&proxy, "hindsight_log_replayed_records_total").await;
+    let replayed = metric(&proxy, "hindsight_log_replayed_records_total").await;
     assert!(replayed > 0.0, "spilled records are replayed");
     let report = proxy.stop().await;
     assert_eq!(report.log.dropped_records, 0, "{report:?}");

@@ -161,16 +161,6 @@ async fn connections_over_the_cap_get_a_503_with_retry_after() {
     proxy.stop().await;
 }
 
-/// Sum of a metric's samples, from the proxy's admin listener.
 async fn metric(proxy: &TestProxy, name: &str) -> f64 {
-    let text = reqwest::get(format!("http://{}/metrics", proxy.admin))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| l.split([' ', '{']).next() == Some(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .fold(0.0, |a, b| a + b)
+    common::support::metric_sum(proxy.admin, name).await
 }

@@ -14,17 +14,7 @@ use hindsight_feedback::{
 use hindsight_routing::{RoutingStore, StoreConfig};
 use serde_json::{json, Value};
 
-pub fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+pub use crate::support::{brokers, free_port};
 
 /// A private Redis; dropped = SIGKILLed.
 pub struct Redis {

@@ -8,3 +8,5 @@
 mod common;
 mod controller;
 mod routing;
+#[path = "../support/mod.rs"]
+mod support;

@@ -18,9 +18,10 @@ use serde_json::{json, Value};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-pub fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
+/// What the workspace's cross-component tests share (the broker's stop/start, `/metrics`).
+#[path = "../../../tests/support/mod.rs"]
+pub mod support;
+pub use support::brokers;
 
 // ---------------------------------------------------------------- mock upstream
 
