@@ -27,10 +27,14 @@ pub struct BodyReadTimeout(pub u64);
 
 /// A request body that fails with [`BodyReadTimeout`] when no frame arrives for `timeout`
 /// (the clock restarts with every frame, so a long upload that keeps moving is never cut).
+/// The timer is armed only when the body makes the reader wait: a body that arrived with its
+/// headers, the usual case, never touches the timer wheel.
 pub struct IdleTimeoutBody {
     inner: ProxyBody,
     timeout: Duration,
-    sleep: Pin<Box<Sleep>>,
+    sleep: Option<Pin<Box<Sleep>>>,
+    /// Whether `sleep` runs for the current wait (disarmed by every frame).
+    armed: bool,
     done: bool,
 }
 
@@ -39,7 +43,8 @@ impl IdleTimeoutBody {
         Self {
             inner,
             timeout,
-            sleep: Box::pin(tokio::time::sleep(timeout)),
+            sleep: None,
+            armed: false,
             done: false,
         }
     }
@@ -59,22 +64,33 @@ impl Body for IdleTimeoutBody {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
-                let deadline = Instant::now() + this.timeout;
-                this.sleep.as_mut().reset(deadline);
+                this.armed = false;
                 if frame.is_none() {
                     this.done = true;
                 }
                 Poll::Ready(frame)
             }
-            Poll::Pending => match this.sleep.as_mut().poll(cx) {
-                Poll::Ready(()) => {
-                    this.done = true;
-                    metrics::counter!("hindsight_proxy_body_timeouts_total").increment(1);
-                    let ms = this.timeout.as_millis() as u64;
-                    Poll::Ready(Some(Err(box_body_error(BodyReadTimeout(ms)))))
+            Poll::Pending => {
+                let deadline = Instant::now() + this.timeout;
+                let sleep = match (&mut this.sleep, this.armed) {
+                    (Some(sleep), true) => sleep,
+                    (Some(sleep), false) => {
+                        sleep.as_mut().reset(deadline);
+                        sleep
+                    }
+                    (slot @ None, _) => slot.insert(Box::pin(tokio::time::sleep_until(deadline))),
+                };
+                this.armed = true;
+                match sleep.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        this.done = true;
+                        metrics::counter!("hindsight_proxy_body_timeouts_total").increment(1);
+                        let ms = this.timeout.as_millis() as u64;
+                        Poll::Ready(Some(Err(box_body_error(BodyReadTimeout(ms)))))
+                    }
+                    Poll::Pending => Poll::Pending,
                 }
-                Poll::Pending => Poll::Pending,
-            },
+            }
         }
     }
 
