@@ -30,5 +30,5 @@ fi
 # the broker and must be alone).
 # The build takes ~4 GB under target/ (about 45 test binaries of 50-90 MB each); say what is left
 # so a full disk is recognisable in the log.
-df -h "${CARGO_TARGET_DIR:-$ROOT/target}" 2>/dev/null | tail -1 | awk '{print "[test] disk free where target/ lives: " $4}' || true
+df -h "$ROOT" 2>/dev/null | tail -1 | awk '{print "[test] disk free where target/ lives: " $4}' || true
 cargo test --workspace --no-fail-fast "$@"
