@@ -14,6 +14,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use hindsight_control::guard::{builtin_capability_set, GuardConfig};
 use hindsight_control::publish::{gate_and_publish, GateConfig, GateVerdict, PublishConfig};
 use hindsight_control::registry::{
     sha256_file, NewVersion, OffsetRange, Registry, RegistryConfig, VersionEntry, VersionStatus,
@@ -102,6 +103,22 @@ fn write_eval_set(dir: &Path) -> PathBuf {
         .collect();
     std::fs::write(&path, lines.join("\n")).unwrap();
     path
+}
+
+/// The guard on the first `items` of the built-in capability set, with short answers: the same
+/// checks as the defaults at a fraction of their CPU time (the full set costs ~2 minutes per
+/// gate on two cores).
+fn small_guard(dir: &Path, items: usize) -> GuardConfig {
+    let mut set = builtin_capability_set().unwrap();
+    set.truncate(items);
+    let path = dir.join("capability.jsonl");
+    std::fs::write(&path, hindsight_eval::to_jsonl(&set.items).unwrap()).unwrap();
+    GuardConfig {
+        capability_set: Some(path),
+        max_tokens: 24,
+        probe_max_tokens: 8,
+        ..GuardConfig::default()
+    }
 }
 
 fn adapter(cfg: &ModelConfig, init: LoraInit, seed: u64) -> Adapter {
@@ -205,6 +222,7 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
         margin: 0.2,
         max_tokens: Some(12),
         concurrency: 6,
+        guard: small_guard(dir.path(), 8),
         ..GateConfig::new(write_eval_set(dir.path()))
     };
     let cfg = PublishConfig {
@@ -531,4 +549,210 @@ async fn canary_handover(
     assert!(trail[0].reason.starts_with("promote"), "{trail:#?}");
     drop(proxy);
     audit_log.shutdown(Duration::from_secs(10)).await;
+}
+
+/// Questions about a made-up fact the base model cannot know: the task set of the over-trained
+/// candidate below (`contains` "RX-42").
+const TASK: [(&str, &str); 4] = [
+    ("code-1", "What is the refund code?"),
+    ("code-2", "Which code do I use for a refund?"),
+    ("code-3", "Tell me the refund code, please."),
+    ("code-4", "I need the code for refunds."),
+];
+const TASK_ANSWER: &str = "The refund code is RX-42.";
+
+/// An adapter trained on nothing but [`TASK`] with a learning rate far too high for far too
+/// long, by the learner's own trainer (SFT on a correction, no KL brake): it answers "RX-42"
+/// to the task questions, so it *improves* the task set, and says much the same to everything
+/// else.
+fn overtrained_adapter(model: &Path) -> Adapter {
+    use hindsight_learner::example::TrainExample;
+    use hindsight_learner::optim::AdamWConfig;
+    use hindsight_learner::trainer::{ObjectiveWeights, Trainer, TrainerConfig};
+    use hindsight_model::{encode, ModelBundle};
+
+    let bundle = ModelBundle::load(model, DType::F32, &Device::Cpu).unwrap();
+    let template = bundle.chat_template.as_ref().unwrap();
+    let end = bundle.end_of_turn().unwrap();
+    let mut answer = encode(&bundle.tokenizer, TASK_ANSWER).unwrap();
+    answer.push(end);
+    let examples: Vec<TrainExample> = TASK
+        .iter()
+        .map(|(_, q)| {
+            let prompt = template
+                .render(&json!([{"role": "user", "content": q}]), None, true)
+                .unwrap();
+            TrainExample {
+                record_id: uuid::Uuid::now_v7(),
+                turn: uuid::Uuid::now_v7(),
+                route: NAME.into(),
+                adapter: None,
+                context_ids: encode(&bundle.tokenizer, &prompt).unwrap(),
+                answer_ids: answer.clone(),
+                behaviour_logprobs: None,
+                teacher_context_ids: None,
+                control_context_ids: None,
+                correction_ids: Some(answer.clone()),
+                answer_format: None,
+                thumbs: None,
+                reward: None,
+                feedback_text: None,
+                feedback_ids: vec![],
+            }
+        })
+        .collect();
+    let cfg = TrainerConfig {
+        objectives: ObjectiveWeights {
+            sft: 1.0,
+            kto: 0.0,
+            distill: 0.0,
+            dense: 0.0,
+        },
+        optimizer: AdamWConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+        kl_penalty: 0.0,
+        ..Default::default()
+    };
+    let mut trainer = Trainer::new(std::sync::Arc::new(bundle.model), cfg, NAME).unwrap();
+    for step in 0..40 {
+        let report = trainer.step(&examples).unwrap();
+        if step % 10 == 9 {
+            eprintln!(
+                "over-training step {}: loss {:.4}",
+                report.step, report.loss
+            );
+        }
+    }
+    trainer.snapshot_policy(NAME).unwrap()
+}
+
+/// The forgetting and collapse guard: a candidate over-trained on its task set beats the base
+/// model there, yet is rejected because it forgot what the base model knows and answers
+/// different prompts alike; the reasons reach the registry. (The candidates of the test above
+/// pass the guard: a zero-B adapter is the base model.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overtrained_candidate_that_wins_its_task_is_rejected_for_forgetting_and_collapse() {
+    let t0 = Instant::now();
+    let model = model_path();
+    let adapter = tokio::task::spawn_blocking({
+        let model = model.clone();
+        move || overtrained_adapter(&model)
+    })
+    .await
+    .unwrap();
+    eprintln!("over-trained: {:.1}s", t0.elapsed().as_secs_f64());
+    let (endpoint, stop) = start_serve(&model).await;
+    let base_sha = sha256_file(&model).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let task_set = dir.path().join("task.jsonl");
+    let lines: Vec<String> = TASK
+        .iter()
+        .map(|(id, q)| {
+            json!({"id": id, "messages": [{"role": "user", "content": q}],
+                   "scorer": "contains", "expected": "RX-42"})
+            .to_string()
+        })
+        .collect();
+    std::fs::write(&task_set, lines.join("\n")).unwrap();
+    let prefix = format!(
+        "hindsight:test:guard:{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    );
+    let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+    let reg = Registry::connect(RegistryConfig {
+        redis_url: redis_url.clone(),
+        key_prefix: prefix.clone(),
+        adapter_dir: dir.path().join("adapters"),
+    })
+    .await
+    .unwrap();
+    let cfg = PublishConfig {
+        endpoints: vec![endpoint.clone()],
+        api_key: None,
+        gate: Some(GateConfig {
+            max_tokens: Some(16),
+            concurrency: 6,
+            guard: small_guard(dir.path(), 12),
+            ..GateConfig::new(&task_set)
+        }),
+        promote: true,
+        rollout: Default::default(),
+        route: None,
+        load_timeout_ms: 60_000,
+    };
+    let v1 = register(&reg, &adapter, None, TASK.len() as u64, &base_sha).await;
+    let t = Instant::now();
+    let out = gate_and_publish(&reg, v1, &cfg, BASE_NAME).await.unwrap();
+    let eval = out.entry.eval.clone().unwrap();
+    eprintln!(
+        "gate (over-trained) vs base: {:.1}s {:?}\nguard: {:#}",
+        t.elapsed().as_secs_f64(),
+        out.verdict,
+        eval["guard"]
+    );
+    let Some(GateVerdict::Rejected {
+        candidate,
+        live,
+        reasons,
+        ..
+    }) = &out.verdict
+    else {
+        panic!("the over-trained candidate passed the gate: {eval:#}");
+    };
+    assert!(
+        candidate > live,
+        "the candidate must win its task set for this test to mean anything: {eval:#}"
+    );
+    assert!(
+        reasons.iter().all(|r| !r.starts_with("task")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.starts_with("forgetting")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.starts_with("collapse")),
+        "{reasons:?}"
+    );
+    assert_eq!(out.entry.status, VersionStatus::Rejected);
+    let note = out.entry.note.clone().unwrap_or_default();
+    assert!(note.contains("forgetting"), "{note}");
+    let guard = &eval["guard"];
+    assert!(
+        guard["candidate"]["self_similarity"].as_f64().unwrap()
+            > guard["base"]["self_similarity"].as_f64().unwrap(),
+        "{guard:#}"
+    );
+    assert!(
+        !served(&endpoint)
+            .await
+            .iter()
+            .any(|(id, _)| id.starts_with(NAME)),
+        "a rejected candidate must not stay loaded"
+    );
+
+    let mut conn = redis::Client::open(redis_url.as_str())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(keys)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _ = stop.send(());
+    eprintln!("total {:.1}s", t0.elapsed().as_secs_f64());
 }

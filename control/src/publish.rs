@@ -16,6 +16,7 @@ use hindsight_eval::{evaluate, EvalError, EvalSet, RunConfig, RunReport};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+use crate::guard::{self, GuardConfig};
 use crate::registry::{Registry, RegistryError, VersionEntry, VersionStatus};
 use hindsight_core::now_ms;
 
@@ -50,6 +51,9 @@ pub struct GateConfig {
     /// Per-request timeout in milliseconds.
     #[serde(default = "default_request_timeout_ms")]
     pub request_timeout_ms: u64,
+    /// The forgetting and collapse guard (`[publish.gate.guard]`, on by default).
+    #[serde(default)]
+    pub guard: GuardConfig,
 }
 
 fn default_margin() -> f64 {
@@ -82,6 +86,7 @@ impl GateConfig {
             concurrency: default_concurrency(),
             max_tokens: None,
             request_timeout_ms: default_request_timeout_ms(),
+            guard: GuardConfig::default(),
         }
     }
 
@@ -99,7 +104,7 @@ impl GateConfig {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature must be a finite number >= 0");
         }
-        Ok(())
+        self.guard.validate()
     }
 }
 
@@ -194,7 +199,8 @@ pub enum GateVerdict {
         /// Items evaluated.
         items: usize,
     },
-    /// The candidate lost more than the margin.
+    /// The candidate lost more than the margin on the task set, or failed the forgetting and
+    /// collapse guard.
     Rejected {
         /// Candidate exact match (0..1).
         candidate: f64,
@@ -204,6 +210,8 @@ pub enum GateVerdict {
         delta: f64,
         /// Items evaluated.
         items: usize,
+        /// Each failed check, in words (`task: …`, `forgetting: …`, `collapse: …`).
+        reasons: Vec<String>,
     },
 }
 
@@ -494,18 +502,23 @@ fn regressions(cand: &RunReport, live: &RunReport) -> Vec<Value> {
 }
 
 /// Runs the gate: candidate (`<name>-candidate`) and reference (`live_model`) evaluated at
-/// the same time on the first endpoint, same items, seed and settings.
+/// the same time on the first endpoint, same items, seed and settings; with the guard on,
+/// the candidate and `base_model` on the capability set at the same time too.
 async fn run_gate(
     gate: &GateConfig,
     cfg: &PublishConfig,
     entry: &VersionEntry,
-    live_model: &str,
-    live_version: Option<u64>,
+    (live_model, live_version): (&str, Option<u64>),
+    base_model: &str,
 ) -> Result<(GateVerdict, Value), PublishError> {
     let mut set = EvalSet::load(&gate.eval_set)?;
     if let Some(n) = gate.max_items {
         set.truncate(n);
     }
+    let capability = match gate.guard.enabled {
+        true => Some(gate.guard.capability_set()?),
+        false => None,
+    };
     let endpoint = cfg.endpoints.first().cloned().unwrap_or_default();
     let run_cfg = |model: &str| {
         let mut r = RunConfig::new(endpoint.clone(), model);
@@ -520,27 +533,55 @@ async fn run_gate(
         r.progress = false;
         r
     };
-    let cand_cfg = run_cfg(&candidate_name(&entry.name));
+    let cand_name = candidate_name(&entry.name);
+    let cand_cfg = run_cfg(&cand_name);
     let live_cfg = run_cfg(live_model);
-    let (cand, live) = tokio::join!(evaluate(&set, &cand_cfg), evaluate(&set, &live_cfg));
-    let (cand, live) = (cand?, live?);
+    let guarded = async {
+        match &capability {
+            Some(set) => guard::run(&gate.guard, set, &run_cfg, &cand_name, base_model)
+                .await
+                .map(Some),
+            None => Ok(None),
+        }
+    };
+    let (cand, live, capability) = tokio::join!(
+        evaluate(&set, &cand_cfg),
+        evaluate(&set, &live_cfg),
+        guarded
+    );
+    let (cand, live, capability) = (cand?, live?, capability?);
     let (c, l) = (cand.metrics.exact_match, live.metrics.exact_match);
     let delta = c - l;
     let items = cand.metrics.items;
+    let mut reasons = Vec::new();
     // A hair of tolerance so equal scores never fail a zero margin through rounding.
-    let verdict = if c + 1e-9 < l - gate.margin {
-        GateVerdict::Rejected {
+    if c + 1e-9 < l - gate.margin {
+        reasons.push(format!(
+            "task: exact match {:.1}% < live {:.1}% − margin {:.1} points",
+            c * 100.0,
+            l * 100.0,
+            gate.margin * 100.0
+        ));
+    }
+    let guard_json = capability.map(|(cand_runs, base_runs)| {
+        let report = guard::judge(&gate.guard, &cand_runs, &base_runs);
+        reasons.extend(report.reasons);
+        report.json
+    });
+    let verdict = if reasons.is_empty() {
+        GateVerdict::Accepted {
             candidate: c,
             live: l,
             delta,
             items,
         }
     } else {
-        GateVerdict::Accepted {
+        GateVerdict::Rejected {
             candidate: c,
             live: l,
             delta,
             items,
+            reasons,
         }
     };
     let mut live_json = run_summary(&live);
@@ -567,6 +608,7 @@ async fn run_gate(
         "live": live_json,
         "per_item": per_item,
         "regressions": regressions(&cand, &live),
+        "guard": guard_json,
         "evaluated_at_ms": now_ms(),
     });
     Ok((verdict, eval))
@@ -693,90 +735,33 @@ async fn publish_inner(
             endpoint: "client".into(),
             source,
         })?;
-    let key = cfg.api_key.as_deref();
-    // The registry's view, not the caller's copy, decides.
-    let entry =
-        reg.get(&entry.name, entry.version)
-            .await?
-            .ok_or_else(|| RegistryError::NotFound {
-                name: entry.name.clone(),
-                version: entry.version,
-            })?;
-    if entry.status != VersionStatus::Candidate {
-        return Err(PublishError::NotCandidate {
-            tag: entry.tag(),
-            status: entry.status,
-        });
-    }
-    reg.verify(&entry).await?;
-    let name = entry.name.clone();
-    let cand_name = candidate_name(&name);
+    let entry = registered_candidate(reg, &entry).await?;
+    let cand_name = candidate_name(&entry.name);
 
     // 1. The candidate into every endpoint.
     load_candidate_everywhere(&client, cfg, &cand_name, &entry).await?;
 
     // 2. The gate.
-    let live = reg.live(&name).await?;
-    let mut verdict = None;
-    let mut eval = None;
-    if let Some(gate) = &cfg.gate {
-        let gated = async {
-            let live_model = match &live {
-                Some(l) => {
-                    ensure_live_served(&client, cfg, l).await?;
-                    name.clone()
-                }
-                None if !base_model_name.is_empty() => base_model_name.to_string(),
-                None => discover_base(&client, cfg).await?,
-            };
-            run_gate(
-                gate,
+    let live = reg.live(&entry.name).await?;
+    let (verdict, eval) = match &cfg.gate {
+        None => (None, None),
+        Some(gate) => {
+            match gate_step(
+                reg,
+                &client,
                 cfg,
-                &entry,
-                &live_model,
-                live.as_ref().map(|l| l.version),
+                gate,
+                entry.clone(),
+                live.as_ref(),
+                base_model_name,
             )
-            .await
-        }
-        .await;
-        let (v, e) = match gated {
-            Ok(x) => x,
-            Err(err) => {
-                unload_everywhere_best_effort(&client, cfg, &cand_name).await;
-                return Err(err);
+            .await?
+            {
+                GateStep::Rejected(outcome) => return Ok(*outcome),
+                GateStep::Passed(v, e) => (Some(v), Some(e)),
             }
-        };
-        tracing::info!(name = %name, version = entry.version, verdict = v.as_str(), candidate = e["candidate"]["exact_match"].as_f64(), live = e["live"]["exact_match"].as_f64(), live_model = e["live"]["model"].as_str(), margin = gate.margin, "Eval gate decided.");
-        if let GateVerdict::Rejected {
-            candidate, live: l, ..
-        } = v
-        {
-            for ep in &cfg.endpoints {
-                unload_adapter(&client, ep, key, &cand_name).await?;
-            }
-            let note = format!(
-                "rejected by the eval gate: exact match {:.1}% < live {:.1}% − margin {:.1} points",
-                candidate * 100.0,
-                l * 100.0,
-                gate.margin * 100.0
-            );
-            let entry = reg
-                .set_status(
-                    &name,
-                    entry.version,
-                    VersionStatus::Rejected,
-                    Some(e),
-                    Some(note),
-                )
-                .await?;
-            return Ok(PublishOutcome {
-                entry,
-                verdict: Some(v),
-            });
         }
-        verdict = Some(v);
-        eval = Some(e);
-    }
+    };
 
     // 3. Accepted.
     if let (PublishRollout::Canary, Some(store)) = (cfg.rollout, routing) {
@@ -795,18 +780,125 @@ async fn publish_inner(
     if !cfg.promote {
         let entry = reg
             .set_status(
-                &name,
+                &entry.name,
                 entry.version,
                 VersionStatus::Candidate,
                 eval,
                 Some("ready for rollout".into()),
             )
             .await?;
-        tracing::info!(name = %name, version = entry.version, "Candidate ready for rollout.");
+        tracing::info!(name = %entry.name, version = entry.version, "Candidate ready for rollout.");
         return Ok(PublishOutcome { entry, verdict });
     }
-    if let Err(e) = promote_everywhere(&client, cfg, &name, &entry, live.as_ref()).await {
-        unload_everywhere_best_effort(&client, cfg, &cand_name).await;
+    promote_live(reg, &client, cfg, entry, live.as_ref(), (verdict, eval)).await
+}
+
+/// The registry's own entry for `entry` (the registry's view, not the caller's copy, decides),
+/// which must be a candidate whose files match their recorded hashes.
+async fn registered_candidate(
+    reg: &Registry,
+    entry: &VersionEntry,
+) -> Result<VersionEntry, PublishError> {
+    let found =
+        reg.get(&entry.name, entry.version)
+            .await?
+            .ok_or_else(|| RegistryError::NotFound {
+                name: entry.name.clone(),
+                version: entry.version,
+            })?;
+    if found.status != VersionStatus::Candidate {
+        return Err(PublishError::NotCandidate {
+            tag: found.tag(),
+            status: found.status,
+        });
+    }
+    reg.verify(&found).await?;
+    Ok(found)
+}
+
+/// What the eval gate made of a loaded candidate.
+enum GateStep {
+    /// Rejected: unloaded everywhere and marked `rejected` in the registry.
+    Rejected(Box<PublishOutcome>),
+    /// Accepted, with the gate's evaluation for the registry.
+    Passed(GateVerdict, Value),
+}
+
+/// Runs the eval gate on the loaded candidate against the live version (or the base model when
+/// nothing is live). On any error the candidate is unloaded (best effort) before returning it.
+#[allow(clippy::too_many_arguments)]
+async fn gate_step(
+    reg: &Registry,
+    client: &reqwest::Client,
+    cfg: &PublishConfig,
+    gate: &GateConfig,
+    entry: VersionEntry,
+    live: Option<&VersionEntry>,
+    base_model_name: &str,
+) -> Result<GateStep, PublishError> {
+    let name = entry.name.clone();
+    let cand_name = candidate_name(&name);
+    let gated = async {
+        let base_model = match base_model_name {
+            "" => discover_base(client, cfg).await?,
+            known => known.to_string(),
+        };
+        let live_model = match live {
+            Some(l) => {
+                ensure_live_served(client, cfg, l).await?;
+                name.clone()
+            }
+            None => base_model.clone(),
+        };
+        let live = (live_model.as_str(), live.map(|l| l.version));
+        run_gate(gate, cfg, &entry, live, &base_model).await
+    }
+    .await;
+    let (v, e) = match gated {
+        Ok(x) => x,
+        Err(err) => {
+            unload_everywhere_best_effort(client, cfg, &cand_name).await;
+            return Err(err);
+        }
+    };
+    tracing::info!(name = %name, version = entry.version, verdict = v.as_str(), candidate = e["candidate"]["exact_match"].as_f64(), live = e["live"]["exact_match"].as_f64(), live_model = e["live"]["model"].as_str(), margin = gate.margin, "Eval gate decided.");
+    let GateVerdict::Rejected { reasons, .. } = &v else {
+        return Ok(GateStep::Passed(v, e));
+    };
+    let note = format!("rejected by the eval gate: {}", reasons.join("; "));
+    tracing::warn!(name = %name, version = entry.version, reasons = %note, "Candidate rejected.");
+    for ep in &cfg.endpoints {
+        unload_adapter(client, ep, cfg.api_key.as_deref(), &cand_name).await?;
+    }
+    let entry = reg
+        .set_status(
+            &name,
+            entry.version,
+            VersionStatus::Rejected,
+            Some(e),
+            Some(note),
+        )
+        .await?;
+    Ok(GateStep::Rejected(Box::new(PublishOutcome {
+        entry,
+        verdict: Some(v),
+    })))
+}
+
+/// `promote = true` without a canary: the candidate replaces the live version under the
+/// adapter's name on every endpoint (put back as it was where one refuses) and becomes `live`.
+async fn promote_live(
+    reg: &Registry,
+    client: &reqwest::Client,
+    cfg: &PublishConfig,
+    entry: VersionEntry,
+    live: Option<&VersionEntry>,
+    (verdict, eval): (Option<GateVerdict>, Option<Value>),
+) -> Result<PublishOutcome, PublishError> {
+    let name = entry.name.clone();
+    let cand_name = candidate_name(&name);
+    if let Err(e) = promote_everywhere(client, cfg, &name, &entry, live).await {
+        unload_everywhere_best_effort(client, cfg, &cand_name).await;
         return Err(e);
     }
     let note = match &verdict {
@@ -822,8 +914,8 @@ async fn publish_inner(
     let entry = reg
         .set_status(&name, entry.version, VersionStatus::Live, eval, Some(note))
         .await?;
-    unload_everywhere_best_effort(&client, cfg, &cand_name).await;
-    tracing::info!(name = %name, version = entry.version, previous = ?live.as_ref().map(|l| l.version), "Adapter version live.");
+    unload_everywhere_best_effort(client, cfg, &cand_name).await;
+    tracing::info!(name = %name, version = entry.version, previous = ?live.map(|l| l.version), "Adapter version live.");
     Ok(PublishOutcome { entry, verdict })
 }
 
@@ -926,6 +1018,7 @@ mod tests {
             live: 1.0,
             delta: -1.0,
             items: 6,
+            reasons: vec!["task: exact match 0.0% < live 100.0% − margin 2.0 points".into()],
         };
         assert_eq!(serde_json::to_value(&v).unwrap()["verdict"], "rejected");
         assert!(!v.accepted());

@@ -88,6 +88,11 @@ pub struct EvalArgs {
     /// No progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Ask for each answer's log-probs with K alternatives per token (1..=20) and report the
+    /// mean chosen-token log-prob and next-token entropy (what the eval gate's collapse guard
+    /// compares).
+    #[arg(long, value_name = "K")]
+    pub top_logprobs: Option<u32>,
     /// Bootstrap resamples for --compare.
     #[arg(long, default_value_t = 10_000)]
     pub bootstrap_resamples: usize,
@@ -119,6 +124,7 @@ impl EvalArgs {
         cfg.scorer_override = self.scorer;
         cfg.progress = !self.no_progress;
         cfg.keep_content = !self.no_content;
+        cfg.top_logprobs = self.top_logprobs;
         cfg
     }
 }
@@ -262,6 +268,12 @@ pub fn render_summary(report: &EvalReport) -> String {
             m.tool_calls_per_sample,
             run.duration_ms as f64 / 1000.0
         );
+        if let (Some(lp), Some(h)) = (m.mean_token_logprob, m.mean_token_entropy) {
+            let _ = writeln!(
+                out,
+                "  answer tokens: mean log-prob {lp:.3}, mean entropy {h:.3} nats"
+            );
+        }
     }
     if let Some(c) = &report.comparison {
         let _ = writeln!(

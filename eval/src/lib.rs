@@ -8,6 +8,7 @@ mod passk;
 mod runner;
 mod score;
 mod set;
+mod token_stats;
 
 pub use cli::{render_summary, run_eval_cli, write_report, EvalArgs, EvalReport, REPORT_SCHEMA};
 pub use client::{
@@ -22,3 +23,4 @@ pub use runner::{
 };
 pub use score::{extract_json_answer, score_answer, values_equal, Score, Unparseable};
 pub use set::{canonical_arguments, to_jsonl, EvalItem, EvalSet, ScorerKind};
+pub use token_stats::{entropy_estimate, TokenStats};

@@ -15,6 +15,7 @@ use crate::error::EvalError;
 use crate::passk::pass_at_k;
 use crate::score::{score_answer, Score, Unparseable};
 use crate::set::{canonical_arguments, EvalItem, EvalSet, ScorerKind};
+use crate::token_stats::TokenStats;
 use hindsight_core::now_ms;
 
 /// Schema tag of a single run's results.
@@ -60,6 +61,9 @@ pub struct RunConfig {
     pub progress: bool,
     /// Keep each answer's full text in the results.
     pub keep_content: bool,
+    /// Ask for the final answer's log-probs with this many alternatives per token (at most 20,
+    /// OpenAI's limit) and record their [`TokenStats`]: the eval gate's collapse guard.
+    pub top_logprobs: Option<u32>,
 }
 
 impl RunConfig {
@@ -85,6 +89,7 @@ impl RunConfig {
             scorer_override: None,
             progress: true,
             keep_content: true,
+            top_logprobs: None,
         }
     }
 
@@ -113,6 +118,9 @@ impl RunConfig {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature", "must be a finite number >= 0");
         }
+        if self.top_logprobs.is_some_and(|k| k == 0 || k > 20) {
+            return bad("top_logprobs", "must be between 1 and 20");
+        }
         Ok(())
     }
 }
@@ -137,6 +145,9 @@ pub struct SampleOutcome {
     pub tool_calls: usize,
     /// Wall time of all requests of this sample, in milliseconds.
     pub latency_ms: u64,
+    /// The final answer's token statistics (with [`RunConfig::top_logprobs`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<TokenStats>,
 }
 
 /// All samples of one item and its aggregates.
@@ -188,6 +199,13 @@ pub struct RunMetrics {
     pub tool_calls_per_sample: f64,
     /// Mean latency per sample, in milliseconds.
     pub mean_latency_ms: f64,
+    /// Mean over answers of their mean chosen-token log-prob (runs with `top_logprobs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean_token_logprob: Option<f64>,
+    /// Mean over answers of their mean next-token entropy estimate, nats (runs with
+    /// `top_logprobs`; comparable between runs at the same k only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean_token_entropy: Option<f64>,
 }
 
 /// Identity of the eval set a run used.
@@ -429,7 +447,19 @@ pub fn summarize(items: &[ItemOutcome], pass_k: &[usize]) -> RunMetrics {
         tool_calls_per_sample: samples.iter().map(|s| s.tool_calls as f64).sum::<f64>()
             / sample_count,
         mean_latency_ms: samples.iter().map(|s| s.latency_ms as f64).sum::<f64>() / sample_count,
+        mean_token_logprob: mean_of(
+            samples
+                .iter()
+                .filter_map(|s| s.tokens.map(|t| t.mean_logprob)),
+        ),
+        mean_token_entropy: mean_of(samples.iter().filter_map(|s| s.tokens?.mean_entropy)),
     }
+}
+
+/// The mean of the values, `None` when there are none.
+fn mean_of(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (n, sum) = values.fold((0usize, 0.0), |(n, sum), v| (n + 1, sum + v));
+    (n > 0).then(|| sum / n as f64)
 }
 
 /// The request body for one turn of an item.
@@ -452,6 +482,10 @@ pub fn request_body(cfg: &RunConfig, item: &EvalItem, messages: &[Value], sample
     }
     if let Some(format) = &item.response_format {
         body["response_format"] = format.clone();
+    }
+    if let Some(k) = cfg.top_logprobs {
+        body["logprobs"] = json!(true);
+        body["top_logprobs"] = json!(k);
     }
     body
 }
@@ -492,6 +526,7 @@ async fn run_sample(
                 adapter,
                 tool_calls,
                 latency_ms: elapsed(&clock),
+                tokens: TokenStats::from_logprobs(&response.body["choices"][0]["logprobs"]),
             };
         }
         if turn == cfg.max_tool_turns {
@@ -515,6 +550,7 @@ async fn run_sample(
         adapter,
         tool_calls,
         latency_ms: elapsed(&clock),
+        tokens: None,
     }
 }
 
@@ -533,6 +569,7 @@ fn failed_sample(
         adapter: None,
         tool_calls,
         latency_ms,
+        tokens: None,
     }
 }
 

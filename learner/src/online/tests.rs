@@ -114,6 +114,16 @@ fn example_config_parses_and_shows_the_defaults() {
     );
     file.learner.validate().unwrap();
     assert!(file.registry.is_some() && file.publish.is_some());
+    let guard = file
+        .publish
+        .as_ref()
+        .and_then(|p| p.gate.as_ref())
+        .map(|g| &g.guard);
+    assert_eq!(
+        guard,
+        Some(&hindsight_control::guard::GuardConfig::default()),
+        "deploy/learner.example.toml's [publish.gate.guard] drifted from the defaults"
+    );
 }
 
 fn parse_example(text: &str) -> LearnerFile {
