@@ -63,6 +63,19 @@ pretty() { python3 -c 'import json,sys; l=json.dumps(json.loads(sys.argv[1]),ind
 port_free() { ! ss -Hltn "sport = :$1" 2>/dev/null | grep -q .; }
 for p in 8000 8080 9464 9465 9466 9467; do port_free "$p" || die "port $p is in use (an earlier run still going?)"; done
 
+redis_del() { # key pattern
+  redis-cli -h 127.0.0.1 -p "${REDIS_PORT:-6379}" --scan --pattern "$1" | xargs -r redis-cli -h 127.0.0.1 -p "${REDIS_PORT:-6379}" del >/dev/null
+}
+# Before anything reads Redis: serve starts with no adapter loaded, so an earlier run's routing
+# table (canaries on `support@N`) would send traffic to versions it does not serve. The route
+# starts again from the base model; the next canary recreates it (and the gate loads the live
+# version back into serve first).
+redis_del 'hindsight:up:routing*'
+if [ -n "${HINDSIGHT_UP_FRESH:-}" ]; then
+  rm -rf .hindsight/learner .hindsight/adapters
+  redis_del 'hindsight:up:*'
+fi
+
 say "4/7 hindsight serve on :8000 ($MODEL)"
 "$BIN" serve --model "$MODEL" --served-model-name SmolLM2-135M-Instruct --listen 127.0.0.1:8000 >.hindsight/logs/serve.log 2>&1 &
 PIDS+=($!)
@@ -120,10 +133,6 @@ pretty "$ep" 80
 say "7/7 the learner, and the simulated environment sending traffic and feedback"
 ADAPTER=support
 mkdir -p .hindsight
-if [ -n "${HINDSIGHT_UP_FRESH:-}" ]; then
-  rm -rf .hindsight/learner .hindsight/adapters
-  redis-cli -h 127.0.0.1 -p "${REDIS_PORT:-6379}" --scan --pattern 'hindsight:up:*' | xargs -r redis-cli -h 127.0.0.1 -p "${REDIS_PORT:-6379}" del >/dev/null
-fi
 # The gate's yardstick: held-out tickets the learner never trains on.
 "$SIM_BIN" eval-set --n "${HINDSIGHT_UP_EVAL_ITEMS:-12}" --out .hindsight/eval.jsonl
 cat >.hindsight/learner.toml <<TOML
