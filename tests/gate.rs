@@ -130,6 +130,25 @@ fn adapter(cfg: &ModelConfig, init: LoraInit, seed: u64) -> Adapter {
     Adapter::new(NAME, lora, cfg, init, seed, &Device::Cpu).unwrap()
 }
 
+/// Deletes the test's registry and routing keys.
+async fn drop_keys(redis_url: &str, prefix: &str) {
+    let mut conn = redis::Client::open(redis_url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}:*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("DEL")
+        .arg(keys)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+}
+
 /// `/v1/models`: id → version (null for the base model).
 async fn served(endpoint: &str) -> Vec<(String, Value)> {
     let body: Value = reqwest::get(format!("{endpoint}/models"))
@@ -358,21 +377,7 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
     )
     .await;
 
-    let mut conn = redis::Client::open(redis_url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}:*"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("DEL")
-        .arg(keys)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    drop_keys(&redis_url, &prefix).await;
     let _ = stop.send(());
     eprintln!("total {:.1}s", t0.elapsed().as_secs_f64());
 }
@@ -738,21 +743,7 @@ async fn overtrained_candidate_that_wins_its_task_is_rejected_for_forgetting_and
         "a rejected candidate must not stay loaded"
     );
 
-    let mut conn = redis::Client::open(redis_url.as_str())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}:*"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("DEL")
-        .arg(keys)
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    drop_keys(&redis_url, &prefix).await;
     let _ = stop.send(());
     eprintln!("total {:.1}s", t0.elapsed().as_secs_f64());
 }

@@ -12,13 +12,15 @@
 //! Nothing here starts a container or a cluster (deploy/README.md, "Compose and Kubernetes").
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+mod support;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde::Deserialize;
 use serde_json::Value;
+use support::check;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 /// The Kubernetes release the manifests are validated against.
@@ -26,28 +28,6 @@ const KUBERNETES_VERSION: &str = "1.32.0";
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(ROOT).join("deploy").join(path)
-}
-
-/// Runs a checker to completion; its output in the panic message when it fails.
-fn check(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(ROOT)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run {program} ({e}): pip install -r deploy/requirements-test.txt provides it")
-        });
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "{program} {}:\n{said}",
-        args.join(" ")
-    );
-    said
 }
 
 /// The documents of a YAML file as JSON, read by PyYAML (installed with the checkers of

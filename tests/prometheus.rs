@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use hindsight_routing::{RoutingStore, StoreConfig};
 use serde_json::{json, Value};
-use support::{brokers, free_port, start_chat_upstream};
+use support::{brokers, check, free_port, start_chat_upstream};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -29,28 +29,6 @@ fn redis_url() -> String {
 
 fn deploy(path: &str) -> PathBuf {
     Path::new(ROOT).join("deploy").join(path)
-}
-
-/// Runs a checker to completion; its output in the panic message when it fails.
-fn check(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .current_dir(ROOT)
-        .output()
-        .unwrap_or_else(|e| {
-            panic!("cannot run {program} ({e}): deploy/services.sh install and pip install -r deploy/requirements-test.txt provide it")
-        });
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "{program} {}:\n{said}",
-        args.join(" ")
-    );
-    said
 }
 
 /// Every `hindsight_*` name written as a string literal in the crates' sources: the metrics

@@ -11,6 +11,29 @@ use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
+/// Runs a checker (promtool, kubernetes-validate, check-jsonschema, ...) in the workspace root
+/// to completion and returns what it said; its output in the panic message when it fails.
+pub fn check(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("cannot run {program} ({e}): deploy/services.sh install and pip install -r deploy/requirements-test.txt provide it")
+        });
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{program} {}:\n{said}",
+        args.join(" ")
+    );
+    said
+}
+
 pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
