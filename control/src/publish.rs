@@ -562,8 +562,11 @@ async fn gate_step(
     let name = entry.name.clone();
     let cand_name = candidate_name(&name);
     let gated = async {
+        // The base model is the reference of the guard, and of the task runs when nothing is
+        // live; only then is it looked up.
+        let needs_base = gate.guard.enabled || live.is_none();
         let base_model = match base_model_name {
-            "" => discover_base(client, cfg).await?,
+            "" if needs_base => discover_base(client, cfg).await?,
             known => known.to_string(),
         };
         let live_model = match live {
