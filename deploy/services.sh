@@ -4,6 +4,8 @@
 #   - Redis: Debian's redis-server
 #   - Prometheus and promtool: Debian's prometheus (installed only; deploy/prometheus/ holds the
 #     config, and tests/prometheus.rs starts its own instance against the processes it spawns)
+#   - Chromium: Debian's chromium (installed only; tests/operator_page.rs drives the rollout
+#     controller's operator page with it, headless)
 #
 # Usage: deploy/services.sh up|down|status|install|kafka-stop|kafka-kill|kafka-start|kafka-reset
 #
@@ -72,6 +74,18 @@ install_prometheus() {
   if [ -n "$pid" ] && [ "$(readlink "/proc/$pid/exe" 2>/dev/null)" = /usr/bin/prometheus ]; then
     kill "$pid" 2>/dev/null || true
   fi
+}
+
+install_chromium() {
+  if command -v chromium >/dev/null 2>&1; then
+    say "chromium present: $(chromium --version 2>/dev/null | head -n1)"
+    return
+  fi
+  say "installing chromium (headless, for tests/operator_page.rs) from Debian's packages"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1 || {
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  }
 }
 
 install_tansu() {
@@ -211,8 +225,8 @@ status() {
 }
 
 case "${1:-}" in
-  install) install_redis; install_prometheus; install_tansu ;;
-  up) install_redis; install_prometheus; install_tansu; start_redis; start_kafka; say "KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT REDIS_URL=redis://127.0.0.1:$REDIS_PORT/" ;;
+  install) install_redis; install_prometheus; install_chromium; install_tansu ;;
+  up) install_redis; install_prometheus; install_chromium; install_tansu; start_redis; start_kafka; say "KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT REDIS_URL=redis://127.0.0.1:$REDIS_PORT/" ;;
   down) stop_kafka; stop_redis ;;
   status) status ;;
   kafka-stop) stop_kafka ;;
