@@ -6,7 +6,9 @@
 //! episode id. State is a bounded in-memory map from a hash of the conversation (messages +
 //! answer, normalised so that a client re-sending the assistant message with `content: ""`
 //! instead of `null`, or re-serialised tool-call arguments, still matches) to the episode id.
-//! It is per process: behind several proxies, send the header or use sticky routing.
+//! The map is per process; the keys ([`EpisodeInference::continuation_keys`],
+//! [`EpisodeInference::answer_key`]) depend only on the messages, so proxies can share them
+//! (the proxy keeps a copy in Redis, see proxy/README.md).
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -17,7 +19,10 @@ use uuid::Uuid;
 
 use crate::records::EpisodeSource;
 
-type Key = [u8; 16];
+/// A conversation's identity: 16 bytes of SHA-256 chained over its normalised messages. The
+/// same messages give the same key in every process.
+pub type ConversationKey = [u8; 16];
+type Key = ConversationKey;
 
 /// Bounded conversation-prefix → episode map (approximate LRU with two generations).
 #[derive(Debug)]
@@ -66,26 +71,47 @@ impl EpisodeInference {
     /// The episode a request with these messages belongs to: the episode of the longest
     /// remembered prefix that ends with an assistant message, else a new UUIDv7 episode.
     pub fn infer(&self, messages: &[Value]) -> (String, EpisodeSource) {
-        let chain = prefix_hashes(messages);
-        let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
-        for (i, msg) in messages.iter().enumerate().rev() {
-            if msg.get("role").and_then(Value::as_str) != Some("assistant") {
-                continue;
-            }
-            if let Some(ep) = maps.get(&chain[i], self.half()) {
-                return (ep, EpisodeSource::Inferred);
-            }
+        match self.lookup(&Self::continuation_keys(messages)) {
+            Some(ep) => (ep, EpisodeSource::Inferred),
+            None => (Uuid::now_v7().to_string(), EpisodeSource::New),
         }
-        (Uuid::now_v7().to_string(), EpisodeSource::New)
     }
 
     /// Records that `messages` answered by `answer` (an assistant message) is in `episode_id`.
     pub fn remember(&self, messages: &[Value], answer: &Value, episode_id: &str) {
+        self.insert(Self::answer_key(messages, answer), episode_id);
+    }
+
+    /// The keys an earlier turn of this conversation was remembered under, if it was: one per
+    /// prefix that ends with an assistant message, longest first.
+    pub fn continuation_keys(messages: &[Value]) -> Vec<ConversationKey> {
+        let chain = prefix_hashes(messages);
+        messages
+            .iter()
+            .zip(chain)
+            .filter(|(m, _)| m.get("role").and_then(Value::as_str) == Some("assistant"))
+            .map(|(_, k)| k)
+            .rev()
+            .collect()
+    }
+
+    /// The key [`EpisodeInference::remember`] files `messages` answered by `answer` under.
+    pub fn answer_key(messages: &[Value], answer: &Value) -> ConversationKey {
         let mut h = chain_start();
         for m in messages {
             h = chain_next(&h, m);
         }
-        let key = chain_next(&h, answer);
+        chain_next(&h, answer)
+    }
+
+    /// The episode of the first of `keys` remembered here.
+    pub fn lookup(&self, keys: &[ConversationKey]) -> Option<String> {
+        let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
+        keys.iter().find_map(|k| maps.get(k, self.half()))
+    }
+
+    /// Remembers that the conversation `key` is in `episode_id`.
+    pub fn insert(&self, key: ConversationKey, episode_id: &str) {
         let mut maps = self.maps.lock().unwrap_or_else(|p| p.into_inner());
         maps.insert(key, episode_id.to_string(), self.half());
     }
@@ -227,6 +253,27 @@ mod tests {
         let mut forged = t3.clone();
         forged[2] = json!({"role": "assistant", "content": "Rainy."});
         assert_eq!(inf.infer(&forged).1, EpisodeSource::New);
+    }
+
+    #[test]
+    fn a_next_turn_looks_for_the_key_its_previous_turn_was_filed_under() {
+        // What lets proxies share conversations: keys depend on the messages only.
+        let t1 = vec![json!({"role": "user", "content": "hi"})];
+        let a1 = json!({"role": "assistant", "content": "hello", "refusal": null});
+        let key = EpisodeInference::answer_key(&t1, &a1);
+        let t2 = vec![
+            t1[0].clone(),
+            json!({"role": "assistant", "content": "hello"}),
+            json!({"role": "user", "content": "more"}),
+        ];
+        assert_eq!(EpisodeInference::continuation_keys(&t2), vec![key]);
+        assert!(EpisodeInference::continuation_keys(&t1).is_empty());
+        let elsewhere = EpisodeInference::new(10);
+        elsewhere.insert(key, "ep-7");
+        assert_eq!(
+            elsewhere.infer(&t2),
+            ("ep-7".to_string(), EpisodeSource::Inferred)
+        );
     }
 
     #[test]

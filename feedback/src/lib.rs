@@ -14,7 +14,7 @@ pub use api::{
     feedback_router, serve_feedback, ApiError, FeedbackConfig, FeedbackState, MetricRange,
     SigningConfig, ValidatedFeedbackConfig, FEEDBACK_BATCH_PATH, FEEDBACK_PATH, IDEMPOTENCY_HEADER,
 };
-pub use episodes::EpisodeInference;
+pub use episodes::{ConversationKey, EpisodeInference};
 pub use joiner::{run_joiner, JoinerConfig, JoinerStats, ValidatedJoinerConfig};
 pub use log::{
     ensure_topics, FlushReport, LogConfig, LogError, LogHandle, LogStats, RecordLog, TopicNames,
