@@ -252,6 +252,7 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
         rollout: Default::default(),
         route: None,
         load_timeout_ms: 60_000,
+        load_versions_by_name: false,
     };
     // Live: a zero-B adapter (the base model's behaviour), gated against the base model.
     let live = adapter(&model_cfg, LoraInit::Peft, 1);
@@ -690,6 +691,7 @@ async fn overtrained_candidate_that_wins_its_task_is_rejected_for_forgetting_and
         rollout: Default::default(),
         route: None,
         load_timeout_ms: 60_000,
+        load_versions_by_name: false,
     };
     let v1 = register(&reg, &adapter, None, TASK.len() as u64, &base_sha).await;
     let t = Instant::now();

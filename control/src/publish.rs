@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 mod gate;
+mod version_names;
 
 use gate::run_gate;
 pub use gate::{GateConfig, GateVerdict};
@@ -54,6 +55,12 @@ pub struct PublishConfig {
     /// Timeout of each adapter load/unload call, in milliseconds.
     #[serde(default = "default_load_timeout_ms")]
     pub load_timeout_ms: u64,
+    /// With `rollout = "canary"`: load each version a route sends traffic to under its literal
+    /// `<name>@<version>` name, and unload those no route needs any more at the next publish.
+    /// For servers without adapter versions (vLLM); `hindsight serve` resolves
+    /// `<name>@<version>` itself, so it is off by default.
+    #[serde(default)]
+    pub load_versions_by_name: bool,
 }
 
 impl std::fmt::Debug for PublishConfig {
@@ -66,6 +73,7 @@ impl std::fmt::Debug for PublishConfig {
             .field("rollout", &self.rollout)
             .field("route", &self.route)
             .field("load_timeout_ms", &self.load_timeout_ms)
+            .field("load_versions_by_name", &self.load_versions_by_name)
             .finish()
     }
 }
@@ -292,8 +300,9 @@ async fn unload_everywhere_best_effort(
 }
 
 /// Makes every endpoint serve the registry's live version as `<name>`, loading it where it is
-/// missing or (when the server reports versions) another version serves (e.g. after a serving
-/// restart), so the gate compares against what the registry calls live.
+/// missing or another version serves (by the listed version, or by the listed files' directory
+/// where the server has no versions, as vLLM; e.g. after a serving restart or a canary
+/// promoted since), so the gate compares against what the registry calls live.
 async fn ensure_live_served(
     client: &reqwest::Client,
     cfg: &PublishConfig,
@@ -305,11 +314,7 @@ async fn ensure_live_served(
         let served = models
             .iter()
             .find(|m| m.get("id").and_then(Value::as_str) == Some(live.name.as_str()));
-        let ok = served.is_some_and(|m| {
-            m.get("version")
-                .and_then(Value::as_u64)
-                .is_none_or(|v| v == live.version)
-        });
+        let ok = served.is_some_and(|m| version_names::serves(m, live));
         if !ok {
             tracing::warn!(endpoint = %ep, name = %live.name, version = live.version, "Live version not served; loading it.");
             load_adapter(client, ep, key, &live.name, live).await?;
@@ -645,11 +650,14 @@ async fn promote_live(
     Ok(PublishOutcome { entry, verdict })
 }
 
-/// `rollout = "canary"`: the accepted candidate is loaded under its name on every endpoint (so
-/// `<name>@<version>` resolves while the previous versions stay served), the route is created
-/// with the live version as stable if it does not exist, the candidate is queued for the
-/// rollout controller (which starts it with its own stages, or per `on_new_candidate` when a
-/// canary runs) and its status becomes `canary`.
+/// `rollout = "canary"`: the accepted candidate is made servable as `<name>@<version>` on
+/// every endpoint while the previous versions stay served (loaded under its name, which
+/// `hindsight serve` keeps as a new version; or with `load_versions_by_name` loaded under the
+/// tag itself, with the route's stable version beside it), the route is created with the live
+/// version as stable if it does not exist, the candidate is queued for the rollout controller
+/// (which starts it with its own stages, or per `on_new_candidate` when a canary runs) and its
+/// status becomes `canary`. With `load_versions_by_name`, versions no route needs any more
+/// are then unloaded.
 #[allow(clippy::too_many_arguments)]
 async fn hand_to_rollout(
     reg: &Registry,
@@ -663,15 +671,37 @@ async fn hand_to_rollout(
 ) -> Result<PublishOutcome, PublishError> {
     let name = entry.name.clone();
     let cand_name = candidate_name(&name);
-    if let Err(e) = promote_everywhere(client, cfg, &name, entry, live).await {
-        unload_everywhere_best_effort(client, cfg, &cand_name).await;
-        return Err(e);
-    }
-    unload_everywhere_best_effort(client, cfg, &cand_name).await;
     let route = cfg.route.clone().unwrap_or_else(|| name.clone());
     let routing_err =
         |e: hindsight_routing::RoutingError| PublishError::Config(format!("routing table: {e}"));
-    if store.get(&route).await.map_err(routing_err)?.is_none() {
+    let existing = match store.get(&route).await {
+        Ok(r) => r,
+        Err(e) => {
+            unload_everywhere_best_effort(client, cfg, &cand_name).await;
+            return Err(routing_err(e));
+        }
+    };
+    let servable = if cfg.load_versions_by_name {
+        // The stable version must answer under its tag too: the route's, or the live version
+        // that becomes the stable of a new route.
+        let stable = match &existing {
+            Some(r) => version_names::entry_of(reg, &name, &r.stable).await,
+            None => Ok(live.cloned()),
+        };
+        match stable {
+            Ok(stable) => {
+                let mut entries: Vec<&VersionEntry> = stable.iter().collect();
+                entries.push(entry);
+                version_names::load(client, cfg, &entries).await
+            }
+            Err(e) => Err(e),
+        }
+    } else {
+        promote_everywhere(client, cfg, &name, entry, live).await
+    };
+    unload_everywhere_best_effort(client, cfg, &cand_name).await;
+    servable?;
+    if existing.is_none() {
         let stable = match live {
             Some(l) => l.tag(),
             None if !base_model_name.is_empty() => base_model_name.to_string(),
@@ -706,6 +736,14 @@ async fn hand_to_rollout(
         )
         .await?;
     tracing::info!(name = %name, version = entry.version, route = %route, "Candidate handed to the rollout controller.");
+    if cfg.load_versions_by_name {
+        match version_names::needed(store).await {
+            Ok(keep) => version_names::prune(client, cfg, &name, &keep).await,
+            Err(e) => {
+                tracing::warn!(error = %e, "Could not read the routing table; old versions stay loaded until the next publish.")
+            }
+        }
+    }
     Ok(PublishOutcome { entry, verdict })
 }
 

@@ -10,3 +10,4 @@ mod controller;
 mod routing;
 #[path = "../support/mod.rs"]
 mod support;
+mod vllm;

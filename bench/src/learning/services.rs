@@ -196,6 +196,7 @@ pub(super) fn learner_setup(
             rollout: Default::default(),
             route: None,
             load_timeout_ms: 60_000,
+            load_versions_by_name: false,
         }),
     }
 }
