@@ -88,6 +88,30 @@ pub struct RawProxySection {
     /// `x-hindsight-episode` (0 turns inference off: every such call starts an episode).
     #[serde(default = "default_episode_inference_capacity")]
     pub episode_inference_capacity: usize,
+    /// Share inferred episodes with the other proxies through Redis, so a conversation whose
+    /// turns land on different proxies stays one episode. Needs `episode_inference_capacity`
+    /// above 0. Never on the request path: the record encoder asks Redis, with
+    /// `episode_redis_timeout_ms`, and falls back to this proxy's memory.
+    #[serde(default = "default_true")]
+    pub episode_sharing: bool,
+    /// Redis holding shared episodes. Default: `routing.redis_url` when `[routing]` is
+    /// enabled, else `feedback.redis_url` when the feedback API is on (with neither, sharing
+    /// is off).
+    #[serde(default)]
+    pub episode_redis_url: Option<String>,
+    /// Prefix of shared episode keys. Default: `<log.topic_prefix>:episodes:`, so the proxies
+    /// writing to the same topics share episodes.
+    #[serde(default)]
+    pub episode_key_prefix: Option<String>,
+    /// How long a conversation's latest turn stays in Redis (1 s to 7 days): a turn arriving
+    /// later than this after the previous one, at a proxy that does not remember it, starts a
+    /// new episode.
+    #[serde(default = "default_episode_ttl_s")]
+    pub episode_ttl_s: u64,
+    /// Longest wait for a Redis connection or call of the episode store; past it the encoder
+    /// uses this proxy's memory only and leaves Redis alone for a while (up to 5 s).
+    #[serde(default = "default_episode_redis_timeout_ms")]
+    pub episode_redis_timeout_ms: u64,
     /// Ask the upstream for behaviour log-probs (`x-hindsight-behaviour: 1`) on captured calls
     /// whose client did not request log-probs, record them, and strip them from the response
     /// the client gets. `hindsight serve` honours the header; other upstreams ignore it.
@@ -101,6 +125,16 @@ fn default_true() -> bool {
 fn default_episode_inference_capacity() -> usize {
     100_000
 }
+fn default_episode_ttl_s() -> u64 {
+    3_600
+}
+fn default_episode_redis_timeout_ms() -> u64 {
+    100
+}
+/// Longest `proxy.episode_ttl_s`: shared episodes are state of live conversations, not an archive.
+const MAX_EPISODE_TTL_S: u64 = 7 * 24 * 3_600;
+/// Longest `proxy.episode_redis_timeout_ms`: the encoder waits this long for each batch.
+const MAX_EPISODE_REDIS_TIMEOUT_MS: u64 = 10_000;
 
 fn default_listen_addr() -> String {
     "127.0.0.1:8080".into()
@@ -164,6 +198,11 @@ impl Default for RawProxySection {
             capture_queue_capacity: default_capture_queue_capacity(),
             feedback_api: true,
             episode_inference_capacity: default_episode_inference_capacity(),
+            episode_sharing: true,
+            episode_redis_url: None,
+            episode_key_prefix: None,
+            episode_ttl_s: default_episode_ttl_s(),
+            episode_redis_timeout_ms: default_episode_redis_timeout_ms(),
             request_behaviour: true,
         }
     }
@@ -188,7 +227,37 @@ pub struct ProxyConfig {
     pub shutdown_grace: Duration,
     pub capture_queue_capacity: usize,
     pub episode_inference_capacity: usize,
+    /// `None`: episodes are inferred from this proxy's memory only.
+    pub episode_sharing: Option<EpisodeSharing>,
     pub request_behaviour: bool,
+}
+
+/// Where and how inferred episodes are shared between proxies.
+#[derive(Debug, Clone)]
+pub struct EpisodeSharing {
+    pub redis_url: RedisUrl,
+    pub key_prefix: String,
+    pub ttl: Duration,
+    pub timeout: Duration,
+}
+
+/// A Redis URL, which may carry a password: `Debug` shows it without the credentials.
+#[derive(Clone)]
+pub struct RedisUrl(String);
+
+impl RedisUrl {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for RedisUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.0.split_once("://"), self.0.rfind('@')) {
+            (Some((scheme, _)), Some(at)) => write!(f, "{scheme}://***@{}", &self.0[at + 1..]),
+            _ => f.write_str(&self.0),
+        }
+    }
 }
 
 /// Where requests go.
@@ -266,7 +335,7 @@ impl RawConfig {
                 reason: "must be greater than 0".into(),
             });
         }
-        let proxy = ProxyConfig {
+        let mut proxy = ProxyConfig {
             listen_addr: addr("proxy.listen_addr", &p.listen_addr)?,
             admin_addr: addr("proxy.admin_addr", &p.admin_addr)?,
             upstream: parse_upstream(&p.upstream_url)?,
@@ -285,8 +354,29 @@ impl RawConfig {
             shutdown_grace: Duration::from_millis(p.shutdown_grace_ms),
             capture_queue_capacity: p.capture_queue_capacity,
             episode_inference_capacity: p.episode_inference_capacity,
+            episode_sharing: None,
             request_behaviour: p.request_behaviour,
         };
+        if p.episode_sharing && p.episode_inference_capacity > 0 {
+            let url = p.episode_redis_url.or_else(|| {
+                if self.routing.enabled {
+                    Some(self.routing.redis_url.clone())
+                } else if p.feedback_api {
+                    Some(self.feedback.redis_url.clone())
+                } else {
+                    None
+                }
+            });
+            if let Some(url) = url {
+                proxy.episode_sharing = Some(episode_sharing(
+                    url,
+                    p.episode_key_prefix,
+                    &self.log.topic_prefix,
+                    p.episode_ttl_s,
+                    p.episode_redis_timeout_ms,
+                )?);
+            }
+        }
         let feedback = if p.feedback_api {
             Some(self.feedback.validate().map_err(|e| match e {
                 hindsight_feedback::FeedbackError::Config { key, reason } => ConfigError::Invalid {
@@ -332,6 +422,44 @@ impl RawConfig {
             routing,
         })
     }
+}
+
+fn episode_sharing(
+    url: String,
+    key_prefix: Option<String>,
+    topic_prefix: &str,
+    ttl_s: u64,
+    timeout_ms: u64,
+) -> Result<EpisodeSharing, ConfigError> {
+    let bad = |key: &str, reason: String| ConfigError::Invalid {
+        key: format!("proxy.{key}"),
+        reason,
+    };
+    // The URL may hold a password: the message names the key, not the value.
+    redis::Client::open(url.as_str())
+        .map_err(|e| bad("episode_redis_url", format!("not a usable Redis URL ({e})")))?;
+    let key_prefix = key_prefix.unwrap_or_else(|| format!("{topic_prefix}:episodes:"));
+    if key_prefix.is_empty() {
+        return Err(bad("episode_key_prefix", "must not be empty".into()));
+    }
+    if !(1..=MAX_EPISODE_TTL_S).contains(&ttl_s) {
+        return Err(bad(
+            "episode_ttl_s",
+            format!("must be between 1 and {MAX_EPISODE_TTL_S} (7 days)"),
+        ));
+    }
+    if !(1..=MAX_EPISODE_REDIS_TIMEOUT_MS).contains(&timeout_ms) {
+        return Err(bad(
+            "episode_redis_timeout_ms",
+            format!("must be between 1 and {MAX_EPISODE_REDIS_TIMEOUT_MS}"),
+        ));
+    }
+    Ok(EpisodeSharing {
+        redis_url: RedisUrl(url),
+        key_prefix,
+        ttl: Duration::from_secs(ttl_s),
+        timeout: Duration::from_millis(timeout_ms),
+    })
 }
 
 fn parse_upstream(url: &str) -> Result<Upstream, ConfigError> {
@@ -440,5 +568,87 @@ mod tests {
         assert!(c.feedback.is_some());
         let err = load("", &[("HINDSIGHT_PROXY__NOPE", "1")]).unwrap_err();
         assert!(err.to_string().contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn episode_sharing_defaults_follow_routing_and_topics() {
+        let c = load(
+            "[routing]\nredis_url = \"redis://:hunter2@10.0.0.9:6379/2\"\n[log]\ntopic_prefix = \"prod\"\n",
+            &[],
+        )
+        .unwrap();
+        let s = c.proxy.episode_sharing.clone().unwrap();
+        assert_eq!(s.redis_url.as_str(), "redis://:hunter2@10.0.0.9:6379/2");
+        assert_eq!(s.key_prefix, "prod:episodes:");
+        assert_eq!(s.ttl, Duration::from_secs(3_600));
+        // The password never reaches a log line through `Debug`.
+        let shown = format!("{:?}", c.proxy);
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("redis://***@10.0.0.9:6379/2"), "{shown}");
+        // Without routing, the feedback API's Redis; with neither, no sharing.
+        let c = load(
+            "[routing]\nenabled = false\n[feedback]\nredis_url = \"redis://f:6379\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            c.proxy.episode_sharing.unwrap().redis_url.as_str(),
+            "redis://f:6379"
+        );
+        let c = load(
+            "[proxy]\nfeedback_api = false\n[routing]\nenabled = false\n",
+            &[],
+        )
+        .unwrap();
+        assert!(c.proxy.episode_sharing.is_none());
+        let c = load("[proxy]\nepisode_sharing = false\n", &[]).unwrap();
+        assert!(c.proxy.episode_sharing.is_none());
+        let c = load("[proxy]\nepisode_inference_capacity = 0\n", &[]).unwrap();
+        assert!(c.proxy.episode_sharing.is_none());
+    }
+
+    #[test]
+    fn episode_sharing_values_are_checked() {
+        let c = load(
+            "",
+            &[
+                ("HINDSIGHT_PROXY__EPISODE_REDIS_URL", "redis://r:1/"),
+                ("HINDSIGHT_PROXY__EPISODE_KEY_PREFIX", "eps:"),
+                ("HINDSIGHT_PROXY__EPISODE_TTL_S", "60"),
+                ("HINDSIGHT_PROXY__EPISODE_REDIS_TIMEOUT_MS", "20"),
+            ],
+        )
+        .unwrap();
+        let s = c.proxy.episode_sharing.unwrap();
+        assert_eq!(
+            (
+                s.redis_url.as_str(),
+                s.key_prefix.as_str(),
+                s.ttl,
+                s.timeout
+            ),
+            (
+                "redis://r:1/",
+                "eps:",
+                Duration::from_secs(60),
+                Duration::from_millis(20)
+            )
+        );
+        for (toml_text, key) in [
+            ("episode_ttl_s = 0", "proxy.episode_ttl_s"),
+            ("episode_ttl_s = 604801", "proxy.episode_ttl_s"),
+            (
+                "episode_redis_timeout_ms = 0",
+                "proxy.episode_redis_timeout_ms",
+            ),
+            ("episode_key_prefix = \"\"", "proxy.episode_key_prefix"),
+            (
+                "episode_redis_url = \"http://x\"",
+                "proxy.episode_redis_url",
+            ),
+        ] {
+            let err = load(&format!("[proxy]\n{toml_text}\n"), &[]).unwrap_err();
+            assert!(err.to_string().contains(key), "{toml_text}: {err}");
+        }
     }
 }

@@ -14,9 +14,8 @@ mod server;
 mod telemetry;
 
 pub use capture::sse::{SseParser, StreamKind, StreamReassembler};
-pub use capture::{EpisodePerCall, EpisodeResolver};
 pub use cli::ProxyArgs;
-pub use config::{Config, ProxyConfig, RawConfig, RawProxySection};
+pub use config::{Config, EpisodeSharing, ProxyConfig, RawConfig, RawProxySection, RedisUrl};
 pub use error::{ConfigError, ProxyError};
 pub use server::{run, Extensions, ShutdownReport};
 pub use telemetry::prometheus;

@@ -3,7 +3,6 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -16,12 +15,9 @@ use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tower::{ServiceBuilder, ServiceExt};
 
-use hindsight_feedback::{
-    feedback_router, EpisodeInference, EpisodeSource, FeedbackError, FeedbackState, RecordLog,
-};
-use serde_json::Value;
+use hindsight_feedback::{feedback_router, FeedbackError, FeedbackState, RecordLog};
 
-use crate::capture::{spawn_encoder, CaptureLayer, CaptureShared, EpisodePerCall, EpisodeResolver};
+use crate::capture::{spawn_encoder, CaptureLayer, CaptureShared, SharedEpisodes};
 use crate::config::Config;
 use crate::error::{box_body_error, ProxyBody, ProxyError};
 use crate::forward::{ErrorToResponse, Forward};
@@ -111,14 +107,19 @@ pub async fn run(
         let state = FeedbackState::new(feedback, handle.clone())?;
         routes = routes.merge(feedback_router(state));
     }
-    let episodes: Arc<dyn EpisodeResolver> = match config.proxy.episode_inference_capacity {
-        0 => Arc::new(EpisodePerCall),
-        n => Arc::new(InferEpisodes(EpisodeInference::new(n))),
+    // Connects lazily, from the encoder task: start-up never waits for Redis.
+    let shared_episodes = match &config.proxy.episode_sharing {
+        Some(s) => Some(SharedEpisodes::new(s).map_err(|e| FeedbackError::Config {
+            key: "proxy.episode_redis_url".into(),
+            reason: e.to_string(),
+        })?),
+        None => None,
     };
     let (encoder, encoder_task) = spawn_encoder(
         config.proxy.route.clone(),
         handle,
-        episodes,
+        config.proxy.episode_inference_capacity,
+        shared_episodes,
         config.proxy.capture_queue_capacity,
     );
     let shared = CaptureShared {
@@ -242,28 +243,6 @@ fn http_builder(header_read_timeout: Duration) -> auto::Builder<TokioExecutor> {
         .timer(hyper_util::rt::TokioTimer::new())
         .header_read_timeout(header_read_timeout);
     builder
-}
-
-/// Episode inference from the conversation itself: a call whose messages extend an earlier
-/// call's messages plus that call's answer continues its episode.
-struct InferEpisodes(EpisodeInference);
-
-impl EpisodeResolver for InferEpisodes {
-    fn resolve(&self, request: &Value, interaction_id: &uuid::Uuid) -> (String, EpisodeSource) {
-        match request.get("messages").and_then(Value::as_array) {
-            Some(messages) => self.0.infer(messages),
-            // Legacy completions carry no conversation to extend.
-            None => (interaction_id.to_string(), EpisodeSource::New),
-        }
-    }
-
-    fn remember(&self, request: &Value, response: &Value, episode_id: &str) {
-        let messages = request.get("messages").and_then(Value::as_array);
-        let answer = response.pointer("/choices/0/message");
-        if let (Some(messages), Some(answer)) = (messages, answer) {
-            self.0.remember(messages, answer, episode_id);
-        }
-    }
 }
 
 async fn hindsight_not_found(uri: http::Uri) -> Response<ProxyBody> {

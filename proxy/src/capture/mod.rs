@@ -8,6 +8,7 @@
 //! episode inference and serialisation all happen there, off the request path.
 
 mod encoder;
+mod episodes;
 pub mod sse;
 mod strip;
 
@@ -27,7 +28,8 @@ use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::headers;
 use hindsight_core::now_ms;
 
-pub use encoder::{spawn_encoder, EncoderHandle, EpisodePerCall, EpisodeResolver};
+pub use encoder::{spawn_encoder, EncoderHandle};
+pub(crate) use episodes::SharedEpisodes;
 /// Routing's one-pass reading of the body is tested against it.
 #[cfg(test)]
 pub(crate) use strip::client_wants_logprobs;
