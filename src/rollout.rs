@@ -214,6 +214,8 @@ async fn run_controller(
 ) -> anyhow::Result<()> {
     let log = file.log.validate()?;
     let (audit_log, handle) = rollout::controller::audit_log(log.clone()).await?;
+    // The last feedback events the controller reads, for the operator page.
+    let recent_feedback = rollout::RecentFeedback::new();
     let registry = Registry::connect(file.registry.clone())
         .await
         .context("connecting to the adapter registry ([registry].redis_url)")?;
@@ -229,6 +231,7 @@ async fn run_controller(
             .unwrap_or_default(),
         prometheus: hindsight_proxy::prometheus()
             .map(|h| Box::new(move || h.render()) as Box<dyn Fn() -> String + Send + Sync>),
+        recent_feedback: recent_feedback.clone(),
     });
     let addr = file.rollout.admin_addr.clone();
     let listener = tokio::net::TcpListener::bind(&addr)
@@ -239,10 +242,12 @@ async fn run_controller(
             "rollout.admin_token is not set: the admin API refuses every command (401)."
         );
     }
-    tracing::info!(%addr, "Rollout admin API listening.");
+    tracing::info!(%addr, page = %format!("http://{addr}/"), "Rollout admin API and operator page listening.");
     let app = rollout::admin::router(admin);
     tokio::spawn(async move { axum::serve(listener, app).await });
-    let controller = rollout::Controller::new(file.rollout, store, handle)?.with_registry(registry);
+    let controller = rollout::Controller::new(file.rollout, store, handle)?
+        .with_registry(registry)
+        .with_recent_feedback(recent_feedback);
     tracing::info!("Rollout controller running.");
     controller.run(&log, shutdown).await?;
     audit_log.shutdown(std::time::Duration::from_secs(10)).await;

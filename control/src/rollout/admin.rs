@@ -1,10 +1,17 @@
-//! The controller's admin HTTP API: the operator commands of `hindsight rollout` over HTTP,
-//! behind a bearer token from config (compared in constant time; a missing or wrong token is
-//! a 401; the token is never logged). `/metrics` (Prometheus) needs no token: it holds no
-//! secrets and scrapers rarely carry one.
+//! The controller's admin HTTP API and the operator's page. Reading is open: the page, the
+//! routes with the controller's view, the audit trail, the adapter registry, the learning curves
+//! and the recent feedback's kinds and values (the same numbers `/metrics` already exposes to
+//! any scraper; the listener binds loopback by default). Changing anything — the operator
+//! commands of `hindsight rollout` — takes the bearer token from config (compared in constant
+//! time; a missing or wrong token is a 401; the token is never logged), and so does the free
+//! text people wrote in their feedback.
 //!
+//! - `GET  /` — the operator's page ([`OPERATOR_PAGE`]; its script at `/operator.js`);
 //! - `GET  /v1/rollouts` — every route with the controller's current view;
 //! - `GET  /v1/rollouts/{route}/history?limit=N` — the audit trail, newest first;
+//! - `GET  /v1/adapters` — the adapter registry with lineage (parent, eval results, offsets);
+//! - `GET  /v1/learning` — the learner's learning curves, from its run log (`rollout.run_log`);
+//! - `GET  /v1/feedback/recent?limit=N` — the last feedback events the controller read;
 //! - `POST /v1/rollouts/{route}` — a command: `{"action": "start", "version": "support@4"}`,
 //!   `{"action": "kill"}`, `{"action": "pin", "user": "u1", "version": "support@3"}`, ... with
 //!   optional `by`, `reason` and `generation` (refused with 409 if the route moved on).
@@ -14,7 +21,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -25,7 +32,20 @@ use serde_json::{json, Value};
 
 use super::commands::{self, Actor, Command, CommandError, Outcome};
 use super::config::RolloutConfig;
-use crate::registry::Registry;
+use super::learning;
+use super::recent::{RecentFeedback, RECENT_FEEDBACK_KEPT};
+use crate::registry::{Registry, VersionEntry};
+
+/// The operator's page: plain HTML, its script served beside it (so the page can forbid inline
+/// script), no third-party code.
+pub const OPERATOR_PAGE: &str = include_str!("operator.html");
+const OPERATOR_SCRIPT: &str = include_str!("operator.js");
+/// What the page may do: talk to this listener and nothing else; no inline script, no frames.
+const PAGE_POLICY: &str = "default-src 'none'; script-src 'self'; connect-src 'self'; \
+     style-src 'unsafe-inline'; img-src 'self' data:; base-uri 'none'; form-action 'none'; \
+     frame-ancestors 'none'";
+/// Versions per adapter name `GET /v1/adapters` returns (the newest).
+const ADAPTER_VERSIONS_SHOWN: usize = 100;
 
 /// What the handlers share.
 pub struct AdminState {
@@ -34,15 +54,22 @@ pub struct AdminState {
     pub cfg: RolloutConfig,
     pub token: String,
     pub prometheus: Option<Box<dyn Fn() -> String + Send + Sync>>,
+    /// The last feedback events the controller read (empty unless the controller fills it).
+    pub recent_feedback: RecentFeedback,
 }
 
 /// The router.
 pub fn router(state: Arc<AdminState>) -> Router {
     Router::new()
+        .route("/", get(page))
+        .route("/operator.js", get(script))
         .route("/metrics", get(metrics))
         .route("/v1/rollouts", get(list))
         .route("/v1/rollouts/{route}", post(command))
         .route("/v1/rollouts/{route}/history", get(history))
+        .route("/v1/adapters", get(adapters))
+        .route("/v1/learning", get(learning_curves))
+        .route("/v1/feedback/recent", get(recent_feedback))
         .with_state(state)
 }
 
@@ -64,13 +91,18 @@ fn error(status: StatusCode, message: &str, param: Option<&str>, code: &str) -> 
     (status, Json(error_body(message, kind, param, code))).into_response()
 }
 
-fn authorised(state: &AdminState, headers: &HeaderMap) -> Result<(), Box<Response>> {
+/// Whether the request carries the admin token.
+fn has_token(state: &AdminState, headers: &HeaderMap) -> bool {
     let given = headers
-        .get(axum::http::header::AUTHORIZATION)
+        .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .unwrap_or("");
-    if !state.token.is_empty() && same(given.as_bytes(), state.token.as_bytes()) {
+    !state.token.is_empty() && same(given.as_bytes(), state.token.as_bytes())
+}
+
+fn authorised(state: &AdminState, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    if has_token(state, headers) {
         Ok(())
     } else {
         Err(Box::new(error(
@@ -94,10 +126,36 @@ async fn metrics(State(s): State<Arc<AdminState>>) -> Response {
     }
 }
 
-async fn list(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
-    if let Err(r) = authorised(&s, &headers) {
-        return *r;
-    }
+/// A static part of the page, with headers that keep it to itself.
+fn page_part(content_type: &'static str, body: &'static str) -> Response {
+    let mut r = body.into_response();
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(PAGE_POLICY),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+async fn page() -> Response {
+    page_part("text/html; charset=utf-8", OPERATOR_PAGE)
+}
+
+async fn script() -> Response {
+    page_part("text/javascript; charset=utf-8", OPERATOR_SCRIPT)
+}
+
+async fn list(State(s): State<Arc<AdminState>>) -> Response {
     let routes = match s.store.load_all().await {
         Ok(r) => r,
         Err(e) => return routing_error(&e),
@@ -126,17 +184,129 @@ fn default_limit() -> usize {
 
 async fn history(
     State(s): State<Arc<AdminState>>,
-    headers: HeaderMap,
     Path(route): Path<String>,
     Query(q): Query<HistoryQuery>,
 ) -> Response {
-    if let Err(r) = authorised(&s, &headers) {
-        return *r;
-    }
     match s.store.audit(&route, q.limit.min(10_000)).await {
         Ok(a) => Json(json!({"route": route, "audit": a})).into_response(),
         Err(e) => routing_error(&e),
     }
+}
+
+/// One registry entry as the page shows it: lineage, data and the gate's headline numbers
+/// (the full entry, with the training config and file hashes, is `hindsight adapters show`).
+fn adapter_view(e: &VersionEntry) -> Value {
+    let eval = e.eval.as_ref().map(|v| {
+        json!({
+            "verdict": v.get("verdict"),
+            "delta": v.get("delta"),
+            "margin": v.get("margin"),
+            "candidate_exact_match": v.pointer("/candidate/exact_match"),
+            "live_exact_match": v.pointer("/live/exact_match"),
+            "live_version": v.pointer("/live/version"),
+        })
+    });
+    json!({
+        "name": e.name,
+        "version": e.version,
+        "tag": e.tag(),
+        "parent": e.parent,
+        "status": e.status,
+        "base_model": e.base_model,
+        "examples": e.examples,
+        "tokens": e.tokens,
+        "offsets": e.offsets,
+        "eval": eval,
+        "created_at_ms": e.created_at_ms,
+        "updated_at_ms": e.updated_at_ms,
+        "note": e.note,
+    })
+}
+
+async fn adapters(State(s): State<Arc<AdminState>>) -> Response {
+    let Some(reg) = &s.registry else {
+        return Json(json!({"adapters": []})).into_response();
+    };
+    match reg.list(None).await {
+        Ok(entries) => {
+            // Sorted by name, then version: each name's newest versions are its last ones.
+            let mut per_name = std::collections::HashMap::<&str, usize>::new();
+            for e in &entries {
+                *per_name.entry(e.name.as_str()).or_default() += 1;
+            }
+            let shown: Vec<Value> = entries
+                .iter()
+                .filter(|e| {
+                    let left = per_name.entry(e.name.as_str()).or_default();
+                    *left = left.saturating_sub(1);
+                    *left < ADAPTER_VERSIONS_SHOWN
+                })
+                .map(adapter_view)
+                .collect();
+            Json(json!({"adapters": shown})).into_response()
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "The operator page could not read the adapter registry.");
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the adapter registry is unavailable",
+                None,
+                "registry_unavailable",
+            )
+        }
+    }
+}
+
+async fn learning_curves(State(s): State<Arc<AdminState>>) -> Response {
+    let path = s.cfg.run_log.clone();
+    let shown = path.display().to_string();
+    match tokio::task::spawn_blocking(move || learning::read(&path)).await {
+        Ok(Ok(curve)) => Json(json!({
+            "run_log": shown,
+            "points": curve.points,
+            "candidates": curve.candidates,
+        }))
+        .into_response(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "The operator page could not read the learner's run log.");
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the learner's run log could not be read (see the controller's log)",
+                None,
+                "run_log_unreadable",
+            )
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "Reading the learner's run log failed.");
+            error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the learner's run log could not be read",
+                None,
+                "run_log_unreadable",
+            )
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct RecentQuery {
+    #[serde(default = "default_limit")]
+    limit: usize,
+}
+
+async fn recent_feedback(
+    State(s): State<Arc<AdminState>>,
+    headers: HeaderMap,
+    Query(q): Query<RecentQuery>,
+) -> Response {
+    let mut events = s.recent_feedback.newest(q.limit.min(RECENT_FEEDBACK_KEPT));
+    let hidden = !has_token(&s, &headers);
+    if hidden {
+        for e in &mut events {
+            e.detail = None;
+        }
+    }
+    Json(json!({"feedback": events, "detail_hidden": hidden})).into_response()
 }
 
 /// The request body: a command plus who, why and the generation acted on.
@@ -257,6 +427,23 @@ fn routing_error(e: &RoutingError) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_page_loads_its_own_script_and_inserts_values_as_text_only() {
+        assert!(OPERATOR_PAGE.contains(r#"<script src="/operator.js"></script>"#));
+        assert!(
+            !OPERATOR_PAGE.contains("<script>"),
+            "inline script is forbidden"
+        );
+        for markup in [
+            "innerHTML",
+            "outerHTML",
+            "insertAdjacentHTML",
+            "document.write",
+        ] {
+            assert!(!OPERATOR_SCRIPT.contains(markup), "{markup} in operator.js");
+        }
+    }
 
     #[test]
     fn token_comparison_is_exact() {

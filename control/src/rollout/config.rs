@@ -1,6 +1,8 @@
 //! `[rollout]`: how the controller moves a canary through its stages and what stops it. Every
 //! key has a default; `deploy/hindsight.example.toml` documents them.
 
+use std::path::PathBuf;
+
 use serde::{Deserialize, Serialize};
 
 use hindsight_routing::{validate_stages, RoutingError};
@@ -105,6 +107,11 @@ pub struct RolloutConfig {
     /// 401; set it from the environment: `HINDSIGHT_ROLLOUT__ADMIN_TOKEN`).
     #[serde(default, skip_serializing)]
     pub admin_token: Option<AdminToken>,
+    /// The learner's JSONL run log, read by the operator page for its learning curves (the
+    /// learner's `[learner] run_log`, whose default this is); none when empty. A missing file
+    /// shows as no curve.
+    #[serde(default = "default_run_log")]
+    pub run_log: PathBuf,
 }
 
 /// The admin API's bearer token; `Debug` never shows it.
@@ -178,6 +185,10 @@ fn default_on_new_candidate() -> CandidatePolicy {
 fn default_eval_interval_ms() -> u64 {
     1_000
 }
+/// The learner's default run log (`hindsight_learner`'s `[learner] run_log`).
+fn default_run_log() -> PathBuf {
+    PathBuf::from("data/learner/run.jsonl")
+}
 fn default_admin_addr() -> String {
     "127.0.0.1:9466".into()
 }
@@ -209,6 +220,7 @@ impl Default for RolloutConfig {
             eval_interval_ms: default_eval_interval_ms(),
             admin_addr: default_admin_addr(),
             admin_token: None,
+            run_log: default_run_log(),
         }
     }
 }

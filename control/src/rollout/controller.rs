@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use hindsight_core::now_ms;
 use hindsight_feedback::{
-    FeedbackRecord, InteractionRecord, LogHandle, Positions, RawRecord, RecordLog, Topic,
-    TopicReader, ValidatedLogConfig,
+    FeedbackRecord, FeedbackTarget, InteractionRecord, LogHandle, Positions, RawRecord, RecordLog,
+    Topic, TopicReader, ValidatedLogConfig,
 };
 use hindsight_routing::{Rollout, RolloutState, RoutingError, RoutingStore};
 use serde_json::{json, Value};
@@ -23,6 +23,7 @@ use serde_json::{json, Value};
 use super::config::{DriftPolicy, RolloutConfig};
 use super::metrics::{ArmMetrics, OnlineMetrics};
 use super::ops::{self, Op};
+use super::recent::{RecentFeedback, RecentFeedbackEvent};
 use super::stats::{
     guard_verdict, mean_difference_cs, rate_difference_cs, Alpha, Direction, DriftBand, DriftSides,
     DriftVerdict, Interval, Verdict,
@@ -284,6 +285,8 @@ pub struct Controller {
     stage_bases: std::collections::HashMap<(String, String, usize), StageBase>,
     /// Routes whose decision counters are registered (see [`DECISIONS`]).
     counted_routes: std::collections::HashSet<String>,
+    /// The last feedback events read, for the operator page (when the admin API shows them).
+    recent_feedback: Option<RecentFeedback>,
 }
 
 /// The (action, cause) pairs of `hindsight_rollout_decisions_total` the controller produces,
@@ -319,12 +322,19 @@ impl Controller {
             registry: None,
             stage_bases: std::collections::HashMap::new(),
             counted_routes: std::collections::HashSet::new(),
+            recent_feedback: None,
         })
     }
 
     /// Keeps `registry` in step with each rollout (`canary` → `live` or `rolled_back`).
     pub fn with_registry(mut self, registry: crate::registry::Registry) -> Self {
         self.registry = Some(registry);
+        self
+    }
+
+    /// Keeps the last feedback events read in `recent` (the operator page's live feedback).
+    pub fn with_recent_feedback(mut self, recent: RecentFeedback) -> Self {
+        self.recent_feedback = Some(recent);
         self
     }
 
@@ -382,6 +392,15 @@ impl Controller {
             Topic::Feedback => {
                 if let Ok(rec) = serde_json::from_slice::<FeedbackRecord>(payload) {
                     self.metrics.feedback(&rec);
+                    if let Some(recent) = &self.recent_feedback {
+                        let exposure = match &rec.target {
+                            FeedbackTarget::Interaction(id) => self.metrics.arm_of(id),
+                            FeedbackTarget::Episode(_) => None,
+                        };
+                        let exposure = exposure
+                            .map(|(k, version)| (k.route.as_str(), k.arm.as_str(), version));
+                        recent.push(RecentFeedbackEvent::of(&rec, exposure));
+                    }
                 }
             }
             _ => {}

@@ -216,6 +216,12 @@ impl OnlineMetrics {
         })
     }
 
+    /// The arm and version that served `interaction`, while its exposure waits to mature.
+    pub fn arm_of(&self, interaction: &Uuid) -> Option<(&ArmKey, &str)> {
+        let key = &self.pending.get(interaction)?.key;
+        Some((key, self.arms.get(key)?.version.as_str()))
+    }
+
     /// Counts an interaction (ignored unless it carries a stable/canary rollout assignment).
     pub fn interaction(&mut self, rec: &InteractionRecord) {
         let Some(a) = &rec.assignment else { return };
