@@ -240,4 +240,30 @@ mod tests {
         assert!(!s.put_many(&[([1; 16], "e".into())]).await);
         assert_eq!(s.backoff, FIRST_BACKOFF * 4);
     }
+
+    #[tokio::test]
+    async fn a_silent_store_costs_one_timeout_per_rest() {
+        // Accepts connections and never answers: a black-holed or wedged Redis.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((conn, _)) = listener.accept().await {
+                held.push(conn);
+            }
+        });
+        let cfg = sharing(&format!("redis://{addr}/"), 100);
+        let mut s = SharedEpisodes::new(&cfg).unwrap();
+        let t = std::time::Instant::now();
+        assert!(s.get_many(&[[1; 16]]).await.is_none());
+        let first = t.elapsed();
+        assert!(first < Duration::from_secs(1), "{first:?}");
+        let t = std::time::Instant::now();
+        for _ in 0..100 {
+            assert!(s.get_many(&[[1; 16]]).await.is_none());
+            assert!(!s.put_many(&[([1; 16], "e".into())]).await);
+        }
+        // Resting: nothing waited on Redis.
+        assert!(t.elapsed() < Duration::from_millis(50), "{:?}", t.elapsed());
+    }
 }
