@@ -182,10 +182,13 @@ min_exposures = 8
 min_matured_feedback = 4
 maturation_ms = 60000
 admin_addr = "127.0.0.1:9466"
+run_log = ".hindsight/learner/run.jsonl"
 TOML
 HINDSIGHT_ROLLOUT__ADMIN_TOKEN="${HINDSIGHT_ADMIN_TOKEN:-local-demo-admin-token}" \
   "$BIN" rollout -c .hindsight/rollout.toml run >.hindsight/logs/rollout.log 2>&1 &
 PIDS+=($!)
+if [ -n "${HINDSIGHT_ADMIN_TOKEN:-}" ]; then TOKEN_HINT="the token in HINDSIGHT_ADMIN_TOKEN"; else TOKEN_HINT="the demo token local-demo-admin-token"; fi
+say "operator page: http://127.0.0.1:9466/ (routes, metrics, registry, learning curves, feedback; pause/rollback/kill with $TOKEN_HINT)"
 
 # Traffic: rounds of support tickets through the proxy to the route `support` (the base model,
 # then the stable and canary adapter versions), each judged by the simulated user after a second.
