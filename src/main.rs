@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use serde::Deserialize;
+use hindsight_feedback::{FeedbackFile, JoinFile};
 
 mod adapters;
 mod rollout;
@@ -86,15 +86,6 @@ struct FeedbackArgs {
     metrics_listen: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FeedbackFile {
-    #[serde(default)]
-    log: hindsight_feedback::LogConfig,
-    #[serde(default)]
-    feedback: hindsight_feedback::FeedbackConfig,
-}
-
 /// `hindsight join`: config sections `[log]` and `[joiner]`.
 #[derive(Debug, clap::Args)]
 struct JoinArgs {
@@ -105,15 +96,6 @@ struct JoinArgs {
     /// Serve Prometheus metrics on this address (`/metrics`), e.g. 127.0.0.1:9467.
     #[arg(long)]
     metrics_listen: Option<String>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JoinFile {
-    #[serde(default)]
-    log: hindsight_feedback::LogConfig,
-    #[serde(default)]
-    joiner: hindsight_feedback::JoinerConfig,
 }
 
 /// `hindsight tail`.
@@ -207,7 +189,7 @@ async fn run_feedback(args: FeedbackArgs) -> anyhow::Result<()> {
     let file: FeedbackFile = hindsight_core::load_toml(
         args.config.as_deref(),
         std::env::vars(),
-        &["log", "feedback"],
+        FeedbackFile::SECTIONS,
     )?;
     let log = file.log.validate()?;
     let feedback = file.feedback.validate()?;
@@ -225,7 +207,7 @@ async fn run_feedback(args: FeedbackArgs) -> anyhow::Result<()> {
 
 async fn run_join(args: JoinArgs) -> anyhow::Result<()> {
     let file: JoinFile =
-        hindsight_core::load_toml(args.config.as_deref(), std::env::vars(), &["log", "joiner"])?;
+        hindsight_core::load_toml(args.config.as_deref(), std::env::vars(), JoinFile::SECTIONS)?;
     if let Some(addr) = &args.metrics_listen {
         serve_metrics(addr).await?;
     }
@@ -310,7 +292,7 @@ async fn run_learner(cli: LearnerCliArgs) -> anyhow::Result<()> {
     let file: LearnerFile = hindsight_core::load_toml(
         cli.args.config.as_deref(),
         std::env::vars(),
-        &["log", "learner", "registry", "publish", "routing"],
+        LearnerFile::SECTIONS,
     )?;
     if let Some(addr) = &cli.metrics_listen {
         serve_metrics(addr).await?;
@@ -357,21 +339,6 @@ async fn run() -> anyhow::Result<()> {
 mod tests {
     use super::*;
 
-    #[derive(Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct RolloutFileForTest {
-        #[serde(default)]
-        routing: hindsight_routing::RoutingConfig,
-        #[serde(default)]
-        rollout: hindsight_control::rollout::RolloutConfig,
-        #[serde(default)]
-        #[allow(dead_code)]
-        log: hindsight_feedback::LogConfig,
-        #[serde(default)]
-        #[allow(dead_code)]
-        registry: hindsight_control::registry::RegistryConfig,
-    }
-
     /// deploy/hindsight.example.toml holds every process's sections; each process reads its
     /// own from it and ignores the others'.
     #[test]
@@ -379,7 +346,7 @@ mod tests {
         let path =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/hindsight.example.toml");
         let join: JoinFile =
-            hindsight_core::load_toml(Some(&path), Vec::new(), &["log", "joiner"]).unwrap();
+            hindsight_core::load_toml(Some(&path), Vec::new(), JoinFile::SECTIONS).unwrap();
         join.joiner.clone().validate().unwrap();
         let shown = hindsight_feedback::JoinerConfig {
             redis_url: String::new(),
@@ -395,19 +362,16 @@ mod tests {
             "the example's [joiner] drifted from the defaults"
         );
         let feedback: FeedbackFile =
-            hindsight_core::load_toml(Some(&path), Vec::new(), &["log", "feedback"]).unwrap();
+            hindsight_core::load_toml(Some(&path), Vec::new(), FeedbackFile::SECTIONS).unwrap();
         feedback.log.validate().unwrap();
         let serve = hindsight_serve::ServeArgs {
             config: Some(path.clone()),
             ..Default::default()
         };
         serve.load().unwrap();
-        let rollout: RolloutFileForTest = hindsight_core::load_toml(
-            Some(&path),
-            Vec::new(),
-            &["routing", "rollout", "log", "registry"],
-        )
-        .unwrap();
+        use hindsight_control::rollout::RolloutFile;
+        let rollout: RolloutFile =
+            hindsight_core::load_toml(Some(&path), Vec::new(), RolloutFile::SECTIONS).unwrap();
         rollout.routing.validate().unwrap();
         rollout.rollout.validate().unwrap();
         assert_eq!(

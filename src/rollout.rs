@@ -6,12 +6,11 @@ use std::path::PathBuf;
 use anyhow::Context;
 use std::sync::Arc;
 
-use hindsight_control::registry::{Registry, RegistryConfig};
+use hindsight_control::registry::Registry;
 use hindsight_control::rollout::admin::AdminState;
 use hindsight_control::rollout::commands::{self, Actor, Command, Outcome};
-use hindsight_control::rollout::{self, CandidatePolicy, RolloutConfig};
-use hindsight_routing::{RoutingConfig, RoutingStore};
-use serde::Deserialize;
+use hindsight_control::rollout::{self, CandidatePolicy, RolloutFile};
+use hindsight_routing::RoutingStore;
 use serde_json::json;
 
 /// `hindsight rollout`.
@@ -92,19 +91,6 @@ pub enum RolloutCommand {
     },
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RolloutFile {
-    #[serde(default)]
-    routing: RoutingConfig,
-    #[serde(default)]
-    rollout: RolloutConfig,
-    #[serde(default)]
-    log: hindsight_feedback::LogConfig,
-    #[serde(default)]
-    registry: RegistryConfig,
-}
-
 /// Runs one `hindsight rollout` command.
 pub async fn run(
     args: RolloutArgs,
@@ -113,7 +99,7 @@ pub async fn run(
     let file: RolloutFile = hindsight_core::load_toml(
         args.config.as_deref(),
         std::env::vars(),
-        &["routing", "rollout", "log", "registry"],
+        RolloutFile::SECTIONS,
     )?;
     file.routing.validate()?;
     file.rollout.validate()?;

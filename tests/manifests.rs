@@ -18,7 +18,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
 use serde_json::Value;
 use support::check;
 
@@ -114,28 +113,6 @@ fn flag(args: &[String], name: &str) -> Option<String> {
         .map(|i| args.get(i + 1).cloned().unwrap_or_default())
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct JoinFile {
-    #[serde(default)]
-    log: hindsight_feedback::LogConfig,
-    #[serde(default)]
-    joiner: hindsight_feedback::JoinerConfig,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RolloutFile {
-    #[serde(default)]
-    routing: hindsight_routing::RoutingConfig,
-    #[serde(default)]
-    rollout: hindsight_control::rollout::RolloutConfig,
-    #[serde(default)]
-    log: hindsight_feedback::LogConfig,
-    #[serde(default)]
-    registry: hindsight_control::registry::RegistryConfig,
-}
-
 /// Loads a container's config as its process does (src/main.rs, src/rollout.rs and the
 /// crates' `load`): file, then the container's variables, then validation.
 fn load(p: &Process) -> Loaded {
@@ -144,9 +121,9 @@ fn load(p: &Process) -> Loaded {
     let sections: &[&str] = match sub {
         "proxy" => &["proxy", "log", "feedback", "routing"],
         "serve" => &["serve"],
-        "join" => &["log", "joiner"],
-        "learner" => &["log", "learner", "registry", "publish", "routing"],
-        "rollout" => &["routing", "rollout", "log", "registry"],
+        "join" => hindsight_feedback::JoinFile::SECTIONS,
+        "learner" => hindsight_learner::online::LearnerFile::SECTIONS,
+        "rollout" => hindsight_control::rollout::RolloutFile::SECTIONS,
         other => panic!("{who}: `hindsight {other}` is not a process these manifests run"),
     };
     // Every HINDSIGHT_ variable must reach the process: a section it does not read would be
@@ -204,7 +181,7 @@ fn load(p: &Process) -> Loaded {
             loaded.listens.push(cfg.listen);
         }
         "join" => {
-            let f: JoinFile =
+            let f: hindsight_feedback::JoinFile =
                 hindsight_core::load_toml(file, env(), sections).unwrap_or_else(|e| bad(&e));
             loaded.connects.extend(brokers(&f.log));
             loaded.connects.push(redis(&f.joiner.redis_url));
@@ -238,7 +215,7 @@ fn load(p: &Process) -> Loaded {
                 Some("run"),
                 "{who}: the controller is `hindsight rollout run`"
             );
-            let f: RolloutFile =
+            let f: hindsight_control::rollout::RolloutFile =
                 hindsight_core::load_toml(file, env(), sections).unwrap_or_else(|e| bad(&e));
             f.routing.validate().unwrap_or_else(|e| bad(&e));
             f.rollout.validate().unwrap_or_else(|e| bad(&e));

@@ -2,6 +2,7 @@
 
 mod api;
 mod episodes;
+mod files;
 mod joiner;
 mod log;
 mod reader;
@@ -15,6 +16,7 @@ pub use api::{
     SigningConfig, ValidatedFeedbackConfig, FEEDBACK_BATCH_PATH, FEEDBACK_PATH, IDEMPOTENCY_HEADER,
 };
 pub use episodes::{ConversationKey, EpisodeInference};
+pub use files::{FeedbackFile, JoinFile};
 pub use joiner::{run_joiner, JoinerConfig, JoinerStats, ValidatedJoinerConfig};
 pub use log::{
     ensure_topics, FlushReport, LogConfig, LogError, LogHandle, LogStats, RecordLog, TopicNames,

@@ -30,6 +30,31 @@ pub enum CandidatePolicy {
     Supersede,
 }
 
+/// The config file of `hindsight rollout` (the controller and the operator commands), as the
+/// binary reads it: the routing table's Redis, the controller, Kafka (online metrics and the
+/// audit topic) and the registry it keeps in step.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutFile {
+    /// The routing table.
+    #[serde(default)]
+    pub routing: hindsight_routing::RoutingConfig,
+    /// The controller and its admin API.
+    #[serde(default)]
+    pub rollout: RolloutConfig,
+    /// Kafka.
+    #[serde(default)]
+    pub log: hindsight_feedback::LogConfig,
+    /// The adapter registry.
+    #[serde(default)]
+    pub registry: crate::registry::RegistryConfig,
+}
+
+impl RolloutFile {
+    /// The sections `hindsight rollout` reads; others in a shared file are ignored.
+    pub const SECTIONS: &'static [&'static str] = &["routing", "rollout", "log", "registry"];
+}
+
 /// `[rollout]` as written in the file.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]

@@ -18,7 +18,7 @@ pub mod queue;
 pub mod recent;
 pub mod stats;
 
-pub use config::{CandidatePolicy, DriftPolicy, RolloutConfig};
+pub use config::{CandidatePolicy, DriftPolicy, RolloutConfig, RolloutFile};
 pub use controller::{decide, Controller, Decision, StageBase};
 pub use ops::{execute, Op, Request};
 pub use recent::RecentFeedback;

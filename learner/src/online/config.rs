@@ -260,3 +260,9 @@ pub struct LearnerFile {
     #[serde(default)]
     pub routing: Option<hindsight_routing::RoutingConfig>,
 }
+
+impl LearnerFile {
+    /// The sections `hindsight learner` reads; others in a shared file are ignored.
+    pub const SECTIONS: &'static [&'static str] =
+        &["log", "learner", "registry", "publish", "routing"];
+}
