@@ -220,6 +220,20 @@ fn print_report(objective: Objective, report: &LearningReport) {
             );
         }
     }
+    if let Some(c) = &report.capability_vs_base {
+        let margin = hindsight_control::guard::GuardConfig::default().capability_margin;
+        eprintln!(
+            "[learning_curve] {}: capability set (never trained on), last point vs base on {} items (paired): {} — {}",
+            objective.as_str(),
+            c.items,
+            c.exact_match,
+            if c.exact_match.diff < -margin {
+                "forgetting beyond the eval gate's margin"
+            } else {
+                "within the eval gate's margin"
+            },
+        );
+    }
 }
 
 /// Prints the summary table of every configuration and where the files went.

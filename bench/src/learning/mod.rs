@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use hindsight_control::guard::{builtin_capability_set, GuardConfig};
 use hindsight_eval::{
     compare_runs, evaluate, extract_json_answer, score_answer, Comparison, EvalSet, RunConfig,
     RunReport,
@@ -308,6 +309,12 @@ pub struct LearningReport {
     /// the run scored more: the figure comparable with the older runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub history_vs_base: Option<Comparison>,
+    /// Forgetting: the last version against the base model on the eval gate's capability set
+    /// (general questions and formats the learner never trains on, greedy, with the guard's
+    /// settings), paired by item. The gate rejects a candidate whose exact match there falls
+    /// more than `capability_margin` below the base's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capability_vs_base: Option<Comparison>,
 }
 
 impl LearningReport {
@@ -345,14 +352,21 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     let constant_baseline = ConstantBaseline::compute(&world, options, &set, train_set.as_ref())?;
     let probe = prior_probe(&cfg, &set, train_set.as_ref(), &constant_baseline)?;
     let (serve_url, base_name, stop_serve) = start_serve(cfg.model_path()).await?;
+    let capability = builtin_capability_set()?;
     let meter = Meter {
         set: &set,
         train_set: train_set.as_ref(),
+        capability: &capability,
         constant: &constant_baseline.answer,
         probe,
         serve_url: &serve_url,
     };
     let base = meter.measure(&base_name, None).await?;
+    let base_capability = if cfg.objective == Objective::None {
+        None
+    } else {
+        Some(meter.capability(&base_name).await?)
+    };
     let mut points = vec![meter.point(&base, 0, 0, None, started)];
     tracing::info!(
         objective = cfg.objective.as_str(),
@@ -431,6 +445,19 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         points.push(meter.point(&m, sent, tally.examples, Some(version), started));
         last = Some(m);
     }
+    // What the last version still knows outside the task.
+    let capability_vs_base = match (&base_capability, live) {
+        (Some(base), Some(_)) => {
+            let cap = meter.capability(&adapter_name).await?;
+            tracing::info!(
+                base = base.metrics.exact_match,
+                adapter = cap.metrics.exact_match,
+                "Capability set evaluated."
+            );
+            Some(compare_runs(base, &cap, 10_000, sc.seed)?)
+        }
+        _ => None,
+    };
 
     let _ = stop_learner.send(());
     let summary: Option<LearnerSummary> = tokio::task::spawn_blocking(move || learner.join())
@@ -461,6 +488,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         held_out_vs_base,
         trained_vs_base,
         history_vs_base,
+        capability_vs_base,
     })
 }
 
@@ -535,6 +563,7 @@ fn untrained_report(
         held_out_vs_base: None,
         trained_vs_base: None,
         history_vs_base: None,
+        capability_vs_base: None,
     }
 }
 
@@ -551,6 +580,7 @@ struct Measured {
 struct Meter<'a> {
     set: &'a EvalSet,
     train_set: Option<&'a EvalSet>,
+    capability: &'a EvalSet,
     constant: &'a serde_json::Value,
     probe: Option<Arc<PriorProbe>>,
     serve_url: &'a str,
@@ -581,6 +611,14 @@ impl Meter<'_> {
             trained,
             margins,
         })
+    }
+
+    /// Greedy answers of `model` to the capability set, with the eval gate's guard settings.
+    async fn capability(&self, model: &str) -> anyhow::Result<RunReport> {
+        let mut rc = self.run_config(model.to_string());
+        rc.keep_content = false;
+        rc.max_tokens = Some(GuardConfig::default().max_tokens);
+        Ok(evaluate(self.capability, &rc).await?)
     }
 
     /// Runs the probe off the async workers (it is seconds of CPU per point).
