@@ -1,6 +1,7 @@
 //! The joiner (`hindsight join`): interactions ⋈ feedback → training episodes.
 //!
-//! It consumes `hindsight.interactions` and `hindsight.feedback` in one consumer group and keeps
+//! It consumes `hindsight.interactions` and `hindsight.feedback` (several joiners divide the
+//! partitions through Redis, `members`, and lease the turns they recompute, `leases`) and keeps
 //! its state in Redis (turns, feedback per target, retractions, pending deadlines, the id of
 //! the last record emitted per turn). Each batch runs: apply records to the state (idempotent),
 //! recompute the affected turns, produce the changed episode records and dead letters and wait
@@ -21,7 +22,7 @@
 //! in the order of the record that last touched them (usually their feedback), so a learner
 //! trains in feedback order.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -44,11 +45,17 @@ use crate::records::{
 use crate::redis_conn::LazyRedis;
 use crate::FeedbackError;
 
+mod leases;
+mod members;
+
+use members::{heartbeat, take_share, AbortOnDrop, Membership};
+
 /// Joiner settings (raw, as read from TOML).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct JoinerConfig {
-    /// Kafka consumer group.
+    /// Kafka consumer group the joiners commit their offsets to (the partitions are divided
+    /// through Redis, joiner/members.rs).
     #[serde(default = "default_group_id")]
     pub group_id: String,
     /// Redis holding the join state.
@@ -75,6 +82,10 @@ pub struct JoinerConfig {
     /// How long to wait for Kafka to acknowledge a batch's output before retrying it.
     #[serde(default = "default_produce_timeout_ms")]
     pub produce_timeout_ms: u64,
+    /// A joiner silent this long (no heartbeat in Redis) is taken for dead and its partitions
+    /// pass to the others (joiner/members.rs).
+    #[serde(default = "default_member_timeout_ms")]
+    pub member_timeout_ms: u64,
 }
 
 fn default_group_id() -> String {
@@ -104,6 +115,9 @@ fn default_sweep_interval_ms() -> u64 {
 fn default_produce_timeout_ms() -> u64 {
     30_000
 }
+fn default_member_timeout_ms() -> u64 {
+    10_000
+}
 
 impl Default for JoinerConfig {
     fn default() -> Self {
@@ -117,6 +131,7 @@ impl Default for JoinerConfig {
             batch_max_wait_ms: default_batch_max_wait_ms(),
             sweep_interval_ms: default_sweep_interval_ms(),
             produce_timeout_ms: default_produce_timeout_ms(),
+            member_timeout_ms: default_member_timeout_ms(),
         }
     }
 }
@@ -145,6 +160,9 @@ impl JoinerConfig {
         }
         if self.sweep_interval_ms == 0 {
             return Err(bad("sweep_interval_ms", "must be at least 1"));
+        }
+        if self.member_timeout_ms < 500 {
+            return Err(bad("member_timeout_ms", "must be at least 500"));
         }
         Ok(ValidatedJoinerConfig { raw: self })
     }
@@ -203,7 +221,25 @@ where
             () = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
     }
-    let reader = TopicReader::new(&log, &raw.group_id, &[Topic::Interactions, Topic::Feedback])?;
+    // Partitions are divided among the joiners through Redis (joiner/members.rs), offsets
+    // committed to the consumer group `group_id`.
+    let reader = TopicReader::manual(&log, &raw.group_id)?;
+    let topic_names: Vec<String> = [Topic::Interactions, Topic::Feedback]
+        .iter()
+        .map(|t| log.topics().get(*t).to_string())
+        .collect();
+    let membership = Membership::new(
+        format!("{}members", raw.redis_key_prefix),
+        Uuid::now_v7().to_string(),
+        Duration::from_millis(raw.member_timeout_ms),
+    );
+    let (live_tx, mut live) = tokio::sync::watch::channel::<Option<Vec<String>>>(None);
+    let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
+        LazyRedis::new(&raw.redis_url)?,
+        membership.clone(),
+        live_tx,
+    )));
+    let mut owned: Vec<(String, i32)> = Vec::new();
     let producer: FutureProducer = log.producer_config().create().map_err(LogError::from)?;
     let mut joiner = Joiner {
         cfg: raw.clone(),
@@ -215,6 +251,10 @@ where
     info!(group = %raw.group_id, "Joiner started.");
     let max_wait = Duration::from_millis(raw.batch_max_wait_ms);
     loop {
+        if live.has_changed().unwrap_or(false) {
+            let members = live.borrow_and_update().clone();
+            owned = take_share(&reader, &membership, &members, &topic_names, owned);
+        }
         // Fill a batch: up to batch_max_records, or until max_wait after the first record.
         let mut batch: Vec<RawRecord> = Vec::new();
         let mut first_at: Option<Instant> = None;
@@ -280,6 +320,12 @@ where
             joiner.stats.batches += 1;
         }
         if stop {
+            // Leave the table so the others take the partitions now, not after the timeout.
+            if let Ok(mut conn) = redis.get().await {
+                if let Err(e) = membership.leave(&mut conn).await {
+                    warn!(error = %e, "Leaving the joiners' membership table failed.");
+                }
+            }
             info!(?joiner.stats, "Joiner stopped.");
             return Ok(joiner.stats);
         }
@@ -373,16 +419,57 @@ impl Joiner {
                 }
             }
         }
+        // Interaction records never change once written, so the turns (and their episodes,
+        // for the leases) can be read before leasing.
+        let mut turns = Vec::new();
         for turn in in_last_touch_order(affected) {
-            if let Some(o) = self.recompute(&mut conn, turn).await? {
-                outputs.push(o);
+            if let Some(i) = self.load_turn(&mut conn, turn).await? {
+                turns.push(i);
             }
         }
-        if self.last_sweep.elapsed() >= Duration::from_millis(self.cfg.sweep_interval_ms) {
-            outputs.extend(self.sweep(&mut conn).await?);
+        let sweep_due =
+            self.last_sweep.elapsed() >= Duration::from_millis(self.cfg.sweep_interval_ms);
+        let due = if sweep_due {
+            self.due_pending(&mut conn).await?
+        } else {
+            vec![]
+        };
+        let mut keys = BTreeSet::new();
+        for i in &turns {
+            keys.insert(self.k(&format!("lease:i:{}", i.interaction_id)));
+            keys.insert(self.k(&format!("lease:e:{}", i.episode_id)));
+        }
+        for member in &due {
+            if let Some((_, tkey)) = member.split_once('|') {
+                keys.insert(self.k(&format!("lease:{tkey}")));
+            }
+        }
+        let held = leases::acquire(&mut conn, keys, self.lease_ttl()).await?;
+        let result = async {
+            for i in turns {
+                if let Some(o) = self.recompute(&mut conn, i).await? {
+                    outputs.push(o);
+                }
+            }
+            if sweep_due {
+                outputs.extend(self.sweep(&mut conn, due).await?);
+            }
+            self.emit(&mut conn, outputs, &held).await
+        }
+        .await;
+        // Given back on failure too (the batch is retried and leases again).
+        let released = leases::release(&mut conn, held).await;
+        if result.is_ok() && sweep_due {
             self.last_sweep = Instant::now();
         }
-        self.emit(&mut conn, outputs).await
+        result.and(released)
+    }
+
+    /// How long a batch's leases live: its longest produce wait plus room for the reads before
+    /// it and the Redis writes after it. A joiner killed while holding leases blocks those
+    /// targets this long.
+    fn lease_ttl(&self) -> Duration {
+        Duration::from_millis(self.cfg.produce_timeout_ms.saturating_mul(2) + 10_000)
     }
 
     async fn apply_interaction(
@@ -568,11 +655,9 @@ impl Joiner {
     async fn recompute(
         &self,
         conn: &mut ConnectionManager,
-        turn: Uuid,
+        i: InteractionRecord,
     ) -> Result<Option<Output>, FeedbackError> {
-        let Some(i) = self.load_turn(conn, turn).await? else {
-            return Ok(None);
-        };
+        let turn = i.interaction_id;
         let mut fb: Vec<FeedbackRecord> = Vec::new();
         for tkey in [format!("i:{turn}"), format!("e:{}", i.episode_id)] {
             let all: HashMap<String, String> = conn.hgetall(self.k(&format!("fb:{tkey}"))).await?;
@@ -651,14 +736,31 @@ impl Joiner {
         }))
     }
 
-    /// Dead-letters pending feedback whose target never arrived within the grace period
-    /// (`unknown_target`), or arrived but too old for it (`expired_target`).
-    async fn sweep(&self, conn: &mut ConnectionManager) -> Result<Vec<Output>, FeedbackError> {
-        let due: Vec<String> = conn
+    /// Pending feedback whose grace period is over (at most 1000 per sweep).
+    async fn due_pending(
+        &self,
+        conn: &mut ConnectionManager,
+    ) -> Result<Vec<String>, FeedbackError> {
+        Ok(conn
             .zrangebyscore_limit(self.k("pending"), "-inf", now_ms(), 0, 1000)
-            .await?;
+            .await?)
+    }
+
+    /// Dead-letters pending feedback whose target never arrived within the grace period
+    /// (`unknown_target`), or arrived but too old for it (`expired_target`). Runs under the
+    /// leases of the feedback's targets.
+    async fn sweep(
+        &self,
+        conn: &mut ConnectionManager,
+        due: Vec<String>,
+    ) -> Result<Vec<Output>, FeedbackError> {
         let mut out = Vec::new();
         for member in due {
+            // Another joiner may have settled it while this one waited for the lease.
+            let still: Option<f64> = conn.zscore(self.k("pending"), &member).await?;
+            if still.is_none() {
+                continue;
+            }
             let Some((fid, tkey)) = member.split_once('|') else {
                 let _: () = conn.zrem(self.k("pending"), &member).await?;
                 continue;
@@ -714,9 +816,16 @@ impl Joiner {
         &mut self,
         conn: &mut ConnectionManager,
         outputs: Vec<Output>,
+        held: &leases::Held,
     ) -> Result<(), FeedbackError> {
         if outputs.is_empty() {
             return Ok(());
+        }
+        let timeout = Duration::from_millis(self.cfg.produce_timeout_ms);
+        if !held.may_produce_for(timeout) {
+            return Err(FeedbackError::Busy(
+                "the batch's leases would expire during the produce; retrying".into(),
+            ));
         }
         let mut futs = Vec::with_capacity(outputs.len());
         for o in &outputs {
@@ -738,7 +847,6 @@ impl Joiner {
                 .map_err(|(e, _)| LogError::from(e))?;
             futs.push(fut);
         }
-        let timeout = Duration::from_millis(self.cfg.produce_timeout_ms);
         let results = tokio::time::timeout(timeout, futures::future::join_all(futs))
             .await
             .map_err(|_| LogError::Timeout("joiner output acks".into()))?;

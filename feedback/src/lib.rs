@@ -51,4 +51,7 @@ pub enum FeedbackError {
     /// Serving failed.
     #[error("i/o: {0}")]
     Io(#[source] std::io::Error),
+    /// Another process holds what this one needs (a joiner's lease); retried.
+    #[error("busy: {0}")]
+    Busy(String),
 }

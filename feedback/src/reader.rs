@@ -158,6 +158,57 @@ impl TopicReader {
         Ok(TopicReader { consumer })
     }
 
+    /// A reader that reads nothing until [`TopicReader::assign_partitions`] gives it
+    /// partitions: for owners that divide the partitions among themselves (the joiners, see
+    /// feedback/src/joiner/members.rs). Commits go to `group_id`.
+    pub fn manual(cfg: &ValidatedLogConfig, group_id: &str) -> Result<TopicReader, LogError> {
+        let mut client = cfg.client_config();
+        Self::configure(&mut client, group_id);
+        Ok(TopicReader {
+            consumer: client.create()?,
+        })
+    }
+
+    /// The partition ids of `topic` as the broker lists them now (blocking: call it between
+    /// batches).
+    pub fn partitions_of(&self, topic: &str, timeout: Duration) -> Result<Vec<i32>, LogError> {
+        let md = self.consumer.fetch_metadata(Some(topic), timeout)?;
+        let mut ids: Vec<i32> = md
+            .topics()
+            .iter()
+            .filter(|t| t.name() == topic && t.error().is_none())
+            .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+            .collect();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
+    /// Reads exactly `partitions` from now on, each from the group's committed offset (else
+    /// the earliest). Records fetched for partitions dropped here are not returned any more.
+    pub fn assign_partitions(
+        &self,
+        partitions: &[(String, i32)],
+        timeout: Duration,
+    ) -> Result<(), LogError> {
+        let mut wanted = TopicPartitionList::new();
+        for (topic, p) in partitions {
+            wanted.add_partition(topic, *p);
+        }
+        let mut tpl = TopicPartitionList::new();
+        if wanted.count() > 0 {
+            let committed = self.consumer.committed_offsets(wanted, timeout)?;
+            for e in committed.elements() {
+                let off = match e.offset() {
+                    Offset::Offset(o) if o >= 0 => Offset::Offset(o),
+                    _ => Offset::Beginning,
+                };
+                tpl.add_partition_offset(e.topic(), e.partition(), off)?;
+            }
+        }
+        self.consumer.assign(&tpl)?;
+        Ok(())
+    }
+
     fn configure(client: &mut ClientConfig, group_id: &str) {
         client
             .set("group.id", group_id)
