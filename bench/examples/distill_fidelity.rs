@@ -407,6 +407,38 @@ fn main() -> anyhow::Result<()> {
         p_lp.extend(pass(&model, &ex.context_ids, &ex.answer_ids, &policy)?.0);
     }
     let gaps_after: Vec<f64> = t_lp.iter().zip(&p_lp).map(|(t, p)| t - p).collect();
+    let measured = Measured {
+        events: examples.len(),
+        fallbacks,
+        probe_s,
+        fid: &fid,
+        gaps: &gaps,
+        gaps_after: &gaps_after,
+        s_lp: &s_lp,
+        p_lp: &p_lp,
+        b_lp: &b_lp,
+        steps: reports,
+    };
+    report(&measured, &file, &out)
+}
+
+/// What the probe measured, for the tables and the JSON.
+struct Measured<'a> {
+    events: usize,
+    fallbacks: usize,
+    probe_s: f64,
+    fid: &'a [Fidelity],
+    gaps: &'a [f64],
+    gaps_after: &'a [f64],
+    s_lp: &'a [f64],
+    p_lp: &'a [f64],
+    b_lp: &'a [f64],
+    steps: Vec<Value>,
+}
+
+/// Prints the three tables and writes the JSON to `out`.
+fn report(m: &Measured, file: &BenchFile, out: &str) -> anyhow::Result<()> {
+    let (sc, lc) = (&file.scenario, &file.learner);
     // Unknown behaviour entries (the end-of-turn token: NaN) are left out.
     let ratio = |num: &[f64], den: &[f64]| -> Vec<f64> {
         num.iter()
@@ -417,13 +449,13 @@ fn main() -> anyhow::Result<()> {
     };
 
     println!(
-        "\n{} events ({fallbacks} teacher answers fell back to the logged one), {probe_s:.0} s",
-        examples.len()
+        "\n{} events ({} teacher answers fell back to the logged one), {:.0} s",
+        m.events, m.fallbacks, m.probe_s
     );
     println!("| k | teacher mass in top k: mean | 5th pct | KL rel. err. per position: mean | whole-loss rel. err. | grad cosine per position: mean | 5th pct | whole-gradient cosine |");
     println!("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     let mut top_k = vec![];
-    for (k, f) in KS.iter().zip(&fid) {
+    for (k, f) in KS.iter().zip(m.fid) {
         let (mass, mass05, rel) = (mean(&f.mass), q(&f.mass, 0.05), mean(&f.rel_err));
         let (loss_err, cos, cos05) = (
             (f.sums[0] - f.sums[1]).abs() / f.sums[1],
@@ -436,8 +468,8 @@ fn main() -> anyhow::Result<()> {
             "grad_cos_mean": cos, "grad_cos_q05": cos05, "grad_cos_whole": whole, "exact_kl_mean": f.sums[1] / f.mass.len() as f64}));
     }
     let gap = [
-        ("step 1 (base)", Spread::new(&gaps, 0.0, &GAPS)),
-        ("after the steps", Spread::new(&gaps_after, 0.0, &GAPS)),
+        ("step 1 (base)", Spread::new(m.gaps, 0.0, &GAPS)),
+        ("after the steps", Spread::new(m.gaps_after, 0.0, &GAPS)),
     ];
     println!("\nteacher − student log-prob gap on the logged tokens, share of positions with |gap| above:");
     println!("| when | positions | > 0.5 | > 1 | > 2 | > 4 | 5th pct | median | 95th pct |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
@@ -446,15 +478,15 @@ fn main() -> anyhow::Result<()> {
     let ratios = [
         (
             "student / behaviour, step 1",
-            Spread::new(&ratio(&s_lp, &b_lp), 1.0, &[eps]),
+            Spread::new(&ratio(m.s_lp, m.b_lp), 1.0, &[eps]),
         ),
         (
             "policy / behaviour, after the steps",
-            Spread::new(&ratio(&p_lp, &b_lp), 1.0, &[eps]),
+            Spread::new(&ratio(m.p_lp, m.b_lp), 1.0, &[eps]),
         ),
         (
             "policy / base, after the steps",
-            Spread::new(&ratio(&p_lp, &s_lp), 1.0, &[eps]),
+            Spread::new(&ratio(m.p_lp, m.s_lp), 1.0, &[eps]),
         ),
     ];
     println!("\nimportance ratio on the logged tokens, share outside [1 − {eps}, 1 + {eps}]:");
@@ -468,12 +500,12 @@ fn main() -> anyhow::Result<()> {
             .map(|(n, s)| json!({"name": n, "spread": s}))
             .collect::<Vec<_>>()
     };
-    let doc = json!({"events": examples.len(), "teacher_fallbacks": fallbacks, "top_k": top_k, "gap": named(&gap),
-        "ratio_clip": eps, "ratio": named(&ratios), "steps": reports, "config": {"scenario": sc, "trainer": lc.trainer}});
-    if let Some(dir) = std::path::Path::new(&out).parent() {
+    let doc = json!({"events": m.events, "teacher_fallbacks": m.fallbacks, "top_k": top_k, "gap": named(&gap),
+        "ratio_clip": eps, "ratio": named(&ratios), "steps": m.steps, "config": {"scenario": sc, "trainer": lc.trainer}});
+    if let Some(dir) = std::path::Path::new(out).parent() {
         std::fs::create_dir_all(dir)?;
     }
-    std::fs::write(&out, serde_json::to_string_pretty(&doc)?)?;
+    std::fs::write(out, serde_json::to_string_pretty(&doc)?)?;
     println!("\nwrote {out}");
     Ok(())
 }
