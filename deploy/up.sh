@@ -109,11 +109,12 @@ say "signed feedback for it (examples/webhook/send.sh)"
 HINDSIGHT_SECRET="$SECRET" examples/webhook/send.sh \
   "{\"interaction_id\":\"$IID\",\"kind\":\"comment\",\"value\":\"Correct, but answer in one word next time.\"}"
 
-# The first record of TOPIC mentioning ID, waiting up to SECONDS for it to arrive.
+# The first record of TOPIC mentioning ID among its last 50 (not the whole topic: a long-used
+# broker holds many), waiting up to SECONDS for it to arrive.
 find_record() { # topic id seconds
   local rec=""
   for _ in $(seq "$3"); do
-    rec=$("$BIN" tail "$1" | grep "$2" || true)
+    rec=$("$BIN" tail "$1" --last 50 | grep "$2" || true)
     [ -n "$rec" ] && break
     sleep 1
   done

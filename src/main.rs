@@ -110,7 +110,8 @@ struct TailArgs {
     /// Topic prefix (`<prefix>.interactions`, ...).
     #[arg(long, default_value = "hindsight")]
     topic_prefix: String,
-    /// Print only the last N records (0 = all).
+    /// Print only the last N records (0 = all). Reads from N records before each partition's
+    /// end, not the whole topic.
     #[arg(long, short = 'n', default_value_t = 0)]
     last: usize,
     /// Keep printing new records until interrupted.
@@ -236,9 +237,25 @@ async fn run_tail(args: TailArgs) -> anyhow::Result<()> {
         ..LogConfig::default()
     }
     .validate()?;
-    // A fresh group reads the topic from its beginning and commits nothing.
+    // A fresh group that commits nothing: from the beginning, or with `--last N` from N records
+    // before each partition's end (a long-running broker's topic is not read to find the end).
     let group = format!("hindsight-tail-{}", std::process::id());
-    let reader = TopicReader::new(&log, &group, &[topic])?;
+    let reader = if args.last == 0 {
+        TopicReader::new(&log, &group, &[topic])?
+    } else {
+        let timeout = Duration::from_secs(10);
+        let name = log.topics().get(topic).to_string();
+        let (client, last) = (log.client_config(), args.last as i64);
+        let ends = tokio::task::spawn_blocking(move || {
+            hindsight_feedback::end_offsets(&client, &[name], timeout)
+        })
+        .await??;
+        let start = ends
+            .into_iter()
+            .map(|(tp, end)| (tp, (end - last).max(0)))
+            .collect();
+        TopicReader::assigned(&log, &group, &[topic], &start, timeout)?
+    };
     let mut kept = std::collections::VecDeque::new();
     let idle = Duration::from_secs(3);
     loop {
