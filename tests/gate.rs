@@ -21,7 +21,6 @@ use hindsight_control::registry::{
 };
 use hindsight_model::candle_core::{DType, Device};
 use hindsight_model::{load_gguf, Adapter, LoraConfig, LoraInit, ModelConfig};
-use hindsight_serve::{run_serve, EngineConfig, ServeConfig};
 use serde_json::{json, Value};
 
 const MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -48,47 +47,6 @@ fn model_path() -> PathBuf {
         );
     }
     p
-}
-
-/// Starts `hindsight serve` on 127.0.0.1:0; returns its API base and the shutdown trigger.
-async fn start_serve(model: &Path) -> (String, tokio::sync::oneshot::Sender<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let config = ServeConfig {
-        model: model.to_path_buf(),
-        listen: addr,
-        adapters: vec![],
-        served_model_name: BASE_NAME.into(),
-        engine: EngineConfig {
-            queue_capacity: 64,
-            max_active_sequences: 32,
-            max_group_size: 16,
-        },
-        default_max_tokens: 32,
-        keep_adapter_versions: 2,
-        device: Default::default(),
-        dtype: Default::default(),
-    };
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(async move {
-        run_serve(config, listener, async {
-            let _ = rx.await;
-        })
-        .await
-        .unwrap();
-    });
-    let endpoint = format!("http://{addr}/v1");
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let up = client.get(format!("http://{addr}/health")).send().await;
-        if up.is_ok_and(|r| r.status().is_success()) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "serve did not come up in 120 s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    (endpoint, tx)
 }
 
 fn write_eval_set(dir: &Path) -> PathBuf {
@@ -212,7 +170,7 @@ async fn register(
 async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
     let t0 = Instant::now();
     let model = model_path();
-    let (endpoint, stop) = start_serve(&model).await;
+    let (endpoint, stop) = support::start_serve(&model, BASE_NAME).await;
     let model_cfg = load_gguf(&model, DType::F32, &Device::Cpu).unwrap().config;
     let base_sha = sha256_file(&model).unwrap();
     eprintln!(
@@ -596,6 +554,7 @@ fn overtrained_adapter(model: &Path) -> Adapter {
                 context_ids: encode(&bundle.tokenizer, &prompt).unwrap(),
                 answer_ids: answer.clone(),
                 behaviour_logprobs: None,
+                sampling: Default::default(),
                 teacher_context_ids: None,
                 control_context_ids: None,
                 correction_ids: Some(answer.clone()),
@@ -649,7 +608,7 @@ async fn overtrained_candidate_that_wins_its_task_is_rejected_for_forgetting_and
     .await
     .unwrap();
     eprintln!("over-trained: {:.1}s", t0.elapsed().as_secs_f64());
-    let (endpoint, stop) = start_serve(&model).await;
+    let (endpoint, stop) = support::start_serve(&model, BASE_NAME).await;
     let base_sha = sha256_file(&model).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let task_set = dir.path().join("task.jsonl");

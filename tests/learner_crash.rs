@@ -142,6 +142,7 @@ fn episode(i: usize, answered: bool) -> EpisodeRecord {
             tool_choice: None,
             model: None,
             response_format: None,
+            ..Default::default()
         },
         answer: answered.then(|| json!({"role": "assistant", "content": format!("{capital}.")})),
         behaviour: None,

@@ -137,6 +137,7 @@ fn episode(
         tool_choice: None,
         model: None,
         response_format: Some(response_format()),
+        ..Default::default()
     };
     EpisodeRecord {
         schema: EPISODE_SCHEMA.into(),

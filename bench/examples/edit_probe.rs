@@ -85,6 +85,7 @@ fn episode(msgs: &[Value], answer: &str, fb: &str) -> EpisodeRecord {
             tool_choice: None,
             model: None,
             response_format: Some(response_format()),
+            ..Default::default()
         },
         answer: Some(json!({"role": "assistant", "content": answer})),
         behaviour: None,

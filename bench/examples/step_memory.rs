@@ -154,6 +154,7 @@ fn main() -> Result<()> {
             context_ids,
             answer_ids: ids(n),
             behaviour_logprobs: None,
+            sampling: Default::default(),
             teacher_context_ids: Some(teacher),
             control_context_ids: None,
             correction_ids: Some(ids(n.min(30))),

@@ -709,6 +709,8 @@ impl Joiner {
                 .and_then(Value::as_str)
                 .map(str::to_string),
             response_format: i.request.get("response_format").cloned(),
+            temperature: i.request.get("temperature").and_then(Value::as_f64),
+            top_p: i.request.get("top_p").and_then(Value::as_f64),
         };
         let rec = EpisodeRecord {
             schema: EPISODE_SCHEMA.into(),

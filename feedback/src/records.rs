@@ -278,6 +278,13 @@ pub struct EpisodeContext {
     /// teacher's own answer under the same grammar the serve used).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub response_format: Option<serde_json::Value>,
+    /// The request's sampling `temperature`, when present (the behaviour log-probs `hindsight
+    /// serve` logs are those of the tempered distribution; the learner compares like with like).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    /// The request's `top_p`, when present.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub top_p: Option<f64>,
 }
 
 /// A feedback event the joiner could not place (topic `hindsight.deadletter`).

@@ -86,6 +86,9 @@ pub struct TrainExample {
     pub answer_ids: Vec<u32>,
     /// Behaviour log-prob per answer token (NaN where unknown, e.g. the appended end token).
     pub behaviour_logprobs: Option<Vec<f32>>,
+    /// How the logged answer was sampled, as far as the request tells: the distribution the
+    /// behaviour log-probs of `hindsight serve` describe.
+    pub sampling: Sampling,
     /// The teacher's prompt tokens (context + hindsight feedback), when there is text feedback.
     pub teacher_context_ids: Option<Vec<u32>>,
     /// The teacher's prompt with the content-free critique
@@ -106,6 +109,53 @@ pub struct TrainExample {
     pub feedback_text: Option<String>,
     /// Feedback ids this example carries.
     pub feedback_ids: Vec<Uuid>,
+}
+
+/// How a logged answer was sampled, from its request (OpenAI's defaults where it is silent).
+/// `hindsight serve` reports the log-probability of each sampled token under exactly this
+/// distribution: the logits divided by `temperature`, renormalised over the tokens the
+/// request's grammar allowed (and over the nucleus when `top_p < 1`). The dense term's
+/// importance ratio compares the policy with that distribution
+/// ([`crate::trainer::BehaviourLogprobs::Sampled`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// Sampling temperature; 0 is greedy decoding (a deterministic policy).
+    pub temperature: f64,
+    /// Nucleus mass.
+    pub top_p: f64,
+    /// The serve constrained the answer with a grammar the learner does not rebuild (a tool
+    /// call forced by `tool_choice`), so its behaviour log-probs are not comparable.
+    pub unknown_grammar: bool,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            unknown_grammar: false,
+        }
+    }
+}
+
+impl Sampling {
+    /// The sampling of a logged request's context.
+    pub fn of(context: &hindsight_feedback::EpisodeContext) -> Self {
+        let forced_tool = context
+            .tools
+            .as_ref()
+            .is_some_and(|t| t.as_array().is_some_and(|a| !a.is_empty()))
+            && match &context.tool_choice {
+                Some(Value::String(s)) => s == "required",
+                Some(Value::Object(_)) => true,
+                _ => false,
+            };
+        Self {
+            temperature: context.temperature.unwrap_or(1.0),
+            top_p: context.top_p.unwrap_or(1.0),
+            unknown_grammar: forced_tool,
+        }
+    }
 }
 
 impl TrainExample {
@@ -376,6 +426,7 @@ pub fn build_example(
         context_ids,
         answer_ids,
         behaviour_logprobs: behaviour,
+        sampling: Sampling::of(&rec.context),
         teacher_context_ids,
         control_context_ids,
         correction_ids,
@@ -469,6 +520,7 @@ mod tests {
                 tool_choice: None,
                 model: None,
                 response_format: None,
+                ..Default::default()
             },
             answer: Some(serde_json::json!({"role": "assistant", "content": "hi"})),
             behaviour,

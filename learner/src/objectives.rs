@@ -40,6 +40,83 @@ pub fn token_logprobs(logits: &Tensor, tokens: &Tensor) -> Result<Tensor> {
     Ok(lp.gather(&tokens.unsqueeze(1)?, 1)?.squeeze(1)?)
 }
 
+/// Which tokens one position's probability is normalised over.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Support {
+    /// The whole vocabulary.
+    Vocab,
+    /// These tokens (the logged one first): the tokens a grammar allowed, or a nucleus.
+    Among(Vec<u32>),
+}
+
+/// `[n]` log-probabilities of `tokens` under `softmax(logits / temperature)` restricted to each
+/// position's support (`[n, V]` logits, differentiable): the distribution a sampler draws from
+/// at that temperature under a grammar or nucleus. A position whose support holds only its
+/// token has log-prob 0 and no gradient (the choice was forced).
+pub fn sampled_logprobs(
+    logits: &Tensor,
+    tokens: &[u32],
+    supports: &[Support],
+    temperature: f64,
+) -> Result<Tensor> {
+    let (n, _) = logits.dims2()?;
+    if tokens.len() != n || supports.len() != n || temperature.is_nan() || temperature <= 0.0 {
+        return Err(LearnerError::InvalidArgument(format!(
+            "sampled_logprobs: {n} positions, {} tokens, {} supports, temperature {temperature}",
+            tokens.len(),
+            supports.len()
+        )));
+    }
+    let dev = logits.device();
+    let scaled = (logits / temperature)?;
+    let ids = Tensor::from_vec(tokens.to_vec(), n, dev)?;
+    let width = supports
+        .iter()
+        .map(|s| match s {
+            Support::Vocab => 0,
+            Support::Among(c) => c.len(),
+        })
+        .max()
+        .unwrap_or(0);
+    if width == 0 {
+        return token_logprobs(&scaled, &ids);
+    }
+    // Restricted rows: gather the support (logged token in column 0, padded with it), mask the
+    // padding out, normalise over the row.
+    let (mut idx, mut pad, mut among) = (Vec::new(), Vec::new(), Vec::new());
+    for (t, s) in supports.iter().enumerate() {
+        let (cands, is_among): (&[u32], bool) = match s {
+            Support::Among(c) if c.first() == Some(&tokens[t]) => (c, true),
+            Support::Among(_) => {
+                return Err(LearnerError::InvalidArgument(format!(
+                    "sampled_logprobs: position {t}'s support does not start with its token"
+                )))
+            }
+            Support::Vocab => (&[], false),
+        };
+        for k in 0..width {
+            idx.push(cands.get(k).copied().unwrap_or(tokens[t]));
+            pad.push(if k == 0 || k < cands.len() {
+                0f32
+            } else {
+                -1e9
+            });
+        }
+        among.push(if is_among { 1f32 } else { 0.0 });
+    }
+    let idx = Tensor::from_vec(idx, (n, width), dev)?;
+    let pad = Tensor::from_vec(pad, (n, width), dev)?.to_dtype(logits.dtype())?;
+    let rows = (scaled.gather(&idx, 1)? + pad)?;
+    let restricted = log_softmax(&rows)?.narrow(1, 0, 1)?.squeeze(1)?;
+    if among.iter().all(|m| *m == 1.0) {
+        return Ok(restricted);
+    }
+    let full = token_logprobs(&scaled, &ids)?;
+    let m = Tensor::from_vec(among, n, dev)?.to_dtype(logits.dtype())?;
+    let rest = m.affine(-1.0, 1.0)?;
+    Ok(((restricted * &m)? + (full * rest)?)?)
+}
+
 /// Indices `[n, k]` (u32) of the `k` largest entries of each row of `logits` `[n, V]`.
 pub fn top_k_indices(logits: &Tensor, k: usize) -> Result<Tensor> {
     let (n, v) = logits.dims2()?;
@@ -296,6 +373,54 @@ mod tests {
                 g[i]
             );
         }
+    }
+
+    /// Against the definition: softmax of logits / T over each row's support, in f64; and
+    /// candle's gradient against finite differences (the dense term back-propagates through it).
+    #[test]
+    fn sampled_logprobs_renormalise_over_the_support_at_the_temperature() {
+        let rows = [&S[..3], &S[3..]];
+        let tokens = [2u32, 0];
+        let supports = [Support::Among(vec![2, 0]), Support::Vocab];
+        let t = 0.7;
+        let got: Vec<f64> = sampled_logprobs(&t2(&rows), &tokens, &supports, t)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let want0 = S[2] / t - ((S[2] / t).exp() + (S[0] / t).exp()).ln();
+        let want1 = S[3] / t - S[3..].iter().map(|x| (x / t).exp()).sum::<f64>().ln();
+        assert!((got[0] - want0).abs() < 1e-9, "{got:?} vs {want0}");
+        assert!((got[1] - want1).abs() < 1e-9, "{got:?} vs {want1}");
+        // A forced choice (support of one) is certain.
+        let forced = sampled_logprobs(
+            &t2(&rows),
+            &tokens,
+            &[Support::Among(vec![2]), Support::Among(vec![0, 1, 2])],
+            t,
+        )
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+        assert_eq!(forced[0], 0.0);
+        assert!(sampled_logprobs(
+            &t2(&rows),
+            &tokens,
+            &[Support::Among(vec![0, 2]), Support::Vocab],
+            t
+        )
+        .is_err());
+        grad_check(&S, (2, 3), |x| {
+            sampled_logprobs(x, &tokens, &supports, t).unwrap()
+        });
+        grad_check(&S, (2, 3), |x| {
+            sampled_logprobs(
+                x,
+                &[1, 2],
+                &[Support::Among(vec![1, 2, 0]), Support::Among(vec![2, 1])],
+                1.3,
+            )
+            .unwrap()
+        });
     }
 
     fn full_kl(p: &[f64], q: &[f64]) -> f64 {

@@ -68,6 +68,7 @@ fn the_learner_sees_the_prompt_serve_built() {
                 tool_choice: tool_choice.clone(),
                 model: Some("base".into()),
                 response_format: None,
+                ..Default::default()
             },
             answer: Some(json!({"role": "assistant", "content": "It was delivered."})),
             behaviour: None,

@@ -91,6 +91,7 @@ pub(super) fn train_example(
         adapter: None,
         context_ids,
         behaviour_logprobs: Some(vec![-2.5; answer_ids.len()]),
+        sampling: Default::default(),
         answer_ids,
         teacher_context_ids: Some(teacher),
         control_context_ids: None,

@@ -87,8 +87,9 @@ pub(super) async fn resume(setup: &LearnerSetup) -> Result<Resumed, OnlineError>
         }
         None => Trainer::new(model.clone(), cfg.trainer.clone(), &cfg.adapter_name)?,
     };
-    if cfg.trainer.target() != DistillTarget::Logged {
-        // The teacher decodes its own answers under the logged requests' grammars.
+    if cfg.trainer.target() != DistillTarget::Logged || cfg.trainer.objectives.dense > 0.0 {
+        // The teacher decodes its own answers under the logged requests' grammars, and the
+        // dense term follows them to compare the policy with the logged behaviour.
         trainer.set_decoding(TeacherDecoding {
             vocab: Arc::new(grammar_vocab(&tokenizer, model_cfg.vocab_size)),
             end_of_turn,

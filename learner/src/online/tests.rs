@@ -33,6 +33,7 @@ fn the_replay_buffer_keeps_what_was_learned_from_and_drops_the_oldest() {
         context_ids: vec![1],
         answer_ids: vec![2],
         behaviour_logprobs: None,
+        sampling: Default::default(),
         teacher_context_ids: None,
         control_context_ids: None,
         correction_ids: None,

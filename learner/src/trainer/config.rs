@@ -40,6 +40,20 @@ impl Default for ObjectiveWeights {
     }
 }
 
+/// What an upstream's logged log-probs describe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BehaviourLogprobs {
+    /// The distribution the token was drawn from: the logits divided by the request's
+    /// temperature, renormalised over the tokens its grammar allowed (and its nucleus), as
+    /// `hindsight serve` reports them. The policy's log-probs go through the same transform.
+    #[default]
+    Sampled,
+    /// The model's full-vocabulary distribution at temperature 1 whatever the request's
+    /// sampling (vLLM's default `logprobs_mode = "raw_logprobs"`).
+    Raw,
+}
+
 /// Trainer settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -70,12 +84,16 @@ pub struct TrainerConfig {
     /// frozen teacher (docs/experiments/2026-12-06-top-k-and-clips.md).
     #[serde(default = "default_gap_clip")]
     pub gap_clip: f64,
-    /// ε of the importance-ratio clip of the dense term. Measured: 75% of logged tokens fall
-    /// outside [1 − ε, 1 + ε] at step 1, before the policy moves, because the behaviour
-    /// log-probs are the serve's (temperature 0.7, renormalised under the grammar) and the
-    /// student's are not (docs/experiments/2026-12-06-top-k-and-clips.md).
+    /// ε of the importance-ratio clip of the dense term. With `behaviour_logprobs = "raw"`
+    /// against the serve's logs, 75% of logged tokens fell outside [1 − ε, 1 + ε] at step 1,
+    /// before the policy moved (docs/experiments/2026-12-06-top-k-and-clips.md); compared
+    /// like with like (`"sampled"`) none do.
     #[serde(default = "default_ratio_clip")]
     pub ratio_clip: f64,
+    /// What the logged behaviour log-probs describe, so the dense term's importance ratio
+    /// compares the policy with the distribution the answer was really drawn from.
+    #[serde(default)]
+    pub behaviour_logprobs: BehaviourLogprobs,
     /// Rate of the running reward baseline per route.
     #[serde(default = "default_baseline_rate")]
     pub baseline_rate: f64,
@@ -305,6 +323,7 @@ impl Default for TrainerConfig {
             teacher_ema_rate: default_ema_rate(),
             gap_clip: default_gap_clip(),
             ratio_clip: default_ratio_clip(),
+            behaviour_logprobs: BehaviourLogprobs::default(),
             baseline_rate: default_baseline_rate(),
             kto: KtoConfig::default(),
             kl_budget: default_kl_budget(),

@@ -28,6 +28,7 @@ use crate::objectives::{
 use crate::optim::AdamW;
 use hindsight_model::encode;
 
+mod behaviour;
 mod config;
 mod loss;
 mod teacher;
@@ -36,7 +37,8 @@ mod terms;
 mod tests;
 
 pub use config::{
-    DistillTarget, EditBaseline, ExperimentalTrainer, ObjectiveWeights, TrainerConfig,
+    BehaviourLogprobs, DistillTarget, EditBaseline, ExperimentalTrainer, ObjectiveWeights,
+    TrainerConfig,
 };
 use hindsight_model::grammar::{
     allowed_by_grammar, best_allowed, choice_logprob, object_value_spans, response_format_grammar,

@@ -157,25 +157,27 @@ impl Trainer {
             }
             None => vec![scalar_adv as f32; n],
         };
-        // Unknown behaviour entries (NaN) are treated as on-policy: ratio 1.
-        let behaviour = match &ex.behaviour_logprobs {
-            Some(b) => Some(Tensor::from_vec(
-                b.iter()
-                    .zip(s_lp)
-                    .map(|(x, s)| if x.is_finite() { *x } else { *s })
-                    .collect::<Vec<f32>>(),
-                n,
-                dev,
-            )?),
-            None => None,
+        // The ratio compares the policy with the logged behaviour under the same transform
+        // (temperature, grammar; see behaviour.rs). Unknown behaviour entries (NaN, or a
+        // distribution the learner cannot rebuild) are treated as on-policy: ratio 1.
+        let (policy_lp, behaviour) = match &ex.behaviour_logprobs {
+            Some(b) => {
+                let view = self.behaviour_view(ex, &student.logits, &student.logprobs)?;
+                let own: Vec<f32> = view.logprobs.detach().to_dtype(DType::F32)?.to_vec1()?;
+                let reference = b
+                    .iter()
+                    .zip(&own)
+                    .zip(&view.comparable)
+                    .map(|((x, o), c)| if *c && x.is_finite() { *x } else { *o })
+                    .collect::<Vec<f32>>();
+                let reference =
+                    Tensor::from_vec(reference, n, dev)?.to_dtype(view.logprobs.dtype())?;
+                (view.logprobs, Some(reference))
+            }
+            None => (student.logprobs.clone(), None),
         };
-        let adv = Tensor::from_vec(advantages.clone(), n, dev)?;
-        let (pg, stats) = pg_loss(
-            &student.logprobs,
-            behaviour.as_ref(),
-            &adv,
-            self.cfg.ratio_clip,
-        )?;
+        let adv = Tensor::from_vec(advantages.clone(), n, dev)?.to_dtype(policy_lp.dtype())?;
+        let (pg, stats) = pg_loss(&policy_lp, behaviour.as_ref(), &adv, self.cfg.ratio_clip)?;
         Ok(DenseTerm {
             loss: mean(&pg)?,
             gap_sum,

@@ -2,6 +2,7 @@
 //! by every concern are here (the tiny model, examples, objective mixes, the guided test
 //! vocabulary); the tests are one file per concern.
 
+mod behaviour;
 mod checkpoint;
 mod objectives;
 mod prefix_passes;
@@ -30,6 +31,7 @@ fn example(i: u32, correction: bool, teacher: bool, thumbs: Option<bool>) -> Tra
         context_ids: vec![1, 2, 3 + i % 5, 4],
         answer_ids: vec![7, 8, 9],
         behaviour_logprobs: None,
+        sampling: Default::default(),
         teacher_context_ids: teacher.then(|| vec![1, 2, 3 + i % 5, 20, 21, 4]),
         control_context_ids: teacher.then(|| vec![1, 2, 3 + i % 5, 22, 23, 4]),
         correction_ids: correction.then(|| vec![10, 11, 12]),
