@@ -24,20 +24,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
+use hindsight_bench::knobs::knob;
 use hindsight_feedback::{LogConfig, RecordLog, Topic, TopicReader};
 use uuid::Uuid;
-
-fn knob<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T>
-where
-    T::Err: std::fmt::Display,
-{
-    match std::env::var(name) {
-        Ok(v) => v
-            .parse()
-            .map_err(|e| anyhow::anyhow!("{name}={v:?} is not valid: {e}")),
-        Err(_) => Ok(default),
-    }
-}
 
 /// One window's figures, by the time a record was read.
 struct Window {

@@ -13,19 +13,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use hdrhistogram::Histogram;
+use hindsight_bench::knobs::knob;
 use hindsight_feedback::{
     feedback_router, sign, FeedbackConfig, FeedbackState, LogConfig, RecordLog, Secret,
 };
 use uuid::Uuid;
 
 const SECRET: &str = "bench-secret";
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 struct Case {
     name: &'static str,
@@ -44,7 +38,7 @@ struct Outcome {
 
 fn main() -> anyhow::Result<()> {
     let server_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(env_or("SERVER_THREADS", 2usize))
+        .worker_threads(knob("SERVER_THREADS", 2usize)?)
         .thread_name("server")
         .enable_all()
         .build()?;
@@ -77,8 +71,8 @@ fn main() -> anyhow::Result<()> {
         .thread_name("client")
         .enable_all()
         .build()?;
-    let duration = Duration::from_secs(env_or("DURATION_S", 10u64));
-    let warmup = Duration::from_secs(env_or("WARMUP_S", 2u64));
+    let duration = Duration::from_secs(knob("DURATION_S", 10u64)?);
+    let warmup = Duration::from_secs(knob("WARMUP_S", 2u64)?);
     let cases = [
         Case {
             name: "1 connection",
@@ -130,7 +124,7 @@ fn main() -> anyhow::Result<()> {
     // to the spill and is replayed now. The drain time shows the broker's sustained rate.
     let stats_before = handle.stats();
     let drain_start = Instant::now();
-    let report = server_rt.block_on(log.shutdown(Duration::from_secs(env_or("DRAIN_S", 600u64))));
+    let report = server_rt.block_on(log.shutdown(Duration::from_secs(knob("DRAIN_S", 600u64)?)));
     let drain_s = drain_start.elapsed().as_secs_f64();
     println!(
         "kafka: delivered {} records (accepted incl. warm-up >= {accepted}); {} went through the spill; \

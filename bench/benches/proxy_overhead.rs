@@ -17,14 +17,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
+use hindsight_bench::knobs::{knob, knob_list};
 use hindsight_bench::load::{open_loop, LoadResult, Target};
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 fn main() -> anyhow::Result<()> {
     match std::env::var("HINDSIGHT_BENCH_ROLE").as_deref() {
@@ -41,7 +35,7 @@ fn role_mock() -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async {
-        let delay = Duration::from_micros((env_or("UPSTREAM_LATENCY_MS", 10.0f64) * 1000.0) as u64);
+        let delay = Duration::from_micros((knob("UPSTREAM_LATENCY_MS", 10.0f64)? * 1000.0) as u64);
         let addr = hindsight_bench::mock_upstream::spawn(delay).await?;
         println!("READY {addr}");
         wait_stdin_closed().await;
@@ -52,7 +46,7 @@ fn role_mock() -> anyhow::Result<()> {
 /// Child: the proxy, configured from `HINDSIGHT_PROXY__*` / `HINDSIGHT_LOG__*`.
 fn role_proxy() -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(env_or("PROXY_THREADS", 2usize))
+        .worker_threads(knob("PROXY_THREADS", 2usize)?)
         .enable_all()
         .build()?;
     rt.block_on(async {
@@ -210,16 +204,12 @@ async fn bucket_quantile(admin: &str, name: &str, q: f64) -> f64 {
 }
 
 fn parent() -> anyhow::Result<()> {
-    let rates: Vec<f64> = std::env::var("RATES")
-        .unwrap_or_else(|_| "500 2000".into())
-        .split_whitespace()
-        .filter_map(|r| r.parse().ok())
-        .collect();
-    let duration = Duration::from_secs(env_or("DURATION_S", 20u64));
-    let warmup = Duration::from_secs(env_or("WARMUP_S", 3u64));
-    let max_in_flight = env_or("MAX_IN_FLIGHT", 512usize);
+    let rates: Vec<f64> = knob_list("RATES", vec![500.0, 2000.0])?;
+    let duration = Duration::from_secs(knob("DURATION_S", 20u64)?);
+    let warmup = Duration::from_secs(knob("WARMUP_S", 3u64)?);
+    let max_in_flight = knob("MAX_IN_FLIGHT", 512usize)?;
     let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
-    let latency_ms: f64 = env_or("UPSTREAM_LATENCY_MS", 10.0);
+    let latency_ms: f64 = knob("UPSTREAM_LATENCY_MS", 10.0)?;
     let spill = tempfile_dir()?;
 
     let mock = ChildProc::start("mock", &[("UPSTREAM_LATENCY_MS", latency_ms.to_string())])?;

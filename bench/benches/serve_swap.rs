@@ -36,10 +36,7 @@ fn main() -> Result<()> {
 
 async fn run() -> Result<()> {
     let model = hindsight_model::testing::default_model_path()?;
-    let swaps: usize = std::env::var("HINDSIGHT_BENCH_SWAPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(100);
+    let swaps: usize = hindsight_bench::knobs::knob("HINDSIGHT_BENCH_SWAPS", 100)?;
     // Two adapter directories to alternate between.
     let tmp = tempfile::tempdir()?;
     let dirs = adapter_dirs(&model, tmp.path())?;

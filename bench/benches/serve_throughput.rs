@@ -48,10 +48,7 @@ fn main() -> Result<()> {
 
 async fn run() -> Result<()> {
     let model = hindsight_model::testing::default_model_path()?;
-    let per_stream: usize = std::env::var("HINDSIGHT_BENCH_REQUESTS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2);
+    let per_stream: usize = hindsight_bench::knobs::knob("HINDSIGHT_BENCH_REQUESTS", 2)?;
     use clap::Parser;
     let args = Cli::parse_from(["x", "--model", model.to_str().context("path")?]).serve;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -53,10 +53,13 @@ fn main() -> Result<()> {
     // First, while this is the only thread: it writes the environment.
     hindsight_model::settle_cpu_threads();
     let path = hindsight_model::testing::default_model_path()?;
-    let steps: usize = std::env::var("HINDSIGHT_BENCH_STEPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
+    // Not hindsight_bench::knobs: learner/examples/train_step.rs includes this file.
+    let steps: usize = match std::env::var("HINDSIGHT_BENCH_STEPS") {
+        Ok(v) => v
+            .parse()
+            .map_err(|e| anyhow::anyhow!("HINDSIGHT_BENCH_STEPS={v:?} is not valid: {e}"))?,
+        Err(_) => 3,
+    };
     let dev = Device::Cpu;
     let bundle = ModelBundle::load(&path, DType::F32, &dev).context("loading the model")?;
     let model = &bundle.model;

@@ -3,6 +3,7 @@
 //! run against.
 
 pub mod baselines;
+pub mod knobs;
 pub mod learning;
 pub mod load;
 pub mod mock_upstream;
