@@ -7,14 +7,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-mod support;
+#[path = "support/serve.rs"]
+mod serve;
 
 use std::path::Path;
 use std::sync::Arc;
 
 use hindsight_feedback::{
     Behaviour, EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget,
-    FeedbackValue, EPISODE_SCHEMA, FEEDBACK_SCHEMA,
+    FeedbackValue, EPISODE_SCHEMA,
 };
 use hindsight_learner::example::{build_example, ExampleConfig, TrainExample};
 use hindsight_learner::trainer::{
@@ -89,18 +90,11 @@ async fn logged_turn(endpoint: &str, ticket: &str, up: bool) -> EpisodeRecord {
         answer: Some(choice["message"].clone()),
         behaviour: Some(behaviour),
         adapter: None,
-        feedback: vec![FeedbackRecord {
-            schema: FEEDBACK_SCHEMA.into(),
-            feedback_id: uuid::Uuid::now_v7(),
-            target: FeedbackTarget::Episode("e".into()),
-            value: FeedbackValue::Thumbs(up),
-            metric: None,
-            source: None,
-            rater: None,
-            tags: vec![],
-            retracts: None,
-            event_time_ms: 0,
-        }],
+        feedback: vec![FeedbackRecord::new(
+            FeedbackTarget::Episode("e".into()),
+            FeedbackValue::Thumbs(up),
+            0,
+        )],
         interaction_time_ms: 0,
         feedback_time_ms: 0,
         emitted_at_ms: 0,
@@ -151,7 +145,7 @@ async fn the_importance_ratio_is_one_on_served_tokens_before_the_policy_moves() 
         "{} is missing: run deploy/fetch-model.sh",
         path.display()
     );
-    let (endpoint, stop) = support::start_serve(&path, "base").await;
+    let (endpoint, stop) = serve::start_serve(&path, "base").await;
     let mut records = Vec::new();
     for (i, t) in TICKETS.iter().enumerate() {
         records.push(logged_turn(&endpoint, t, i % 2 == 0).await);
@@ -167,7 +161,7 @@ async fn the_importance_ratio_is_one_on_served_tokens_before_the_policy_moves() 
             build_example(
                 r,
                 &bundle.tokenizer,
-                &template,
+                template,
                 end,
                 &ExampleConfig::default(),
             )

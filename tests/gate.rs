@@ -9,6 +9,8 @@
 #[path = "rollout/common.rs"]
 #[allow(dead_code)]
 mod common;
+#[path = "support/serve.rs"]
+mod serve;
 mod support;
 
 use std::path::{Path, PathBuf};
@@ -170,7 +172,7 @@ async fn register(
 async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
     let t0 = Instant::now();
     let model = model_path();
-    let (endpoint, stop) = support::start_serve(&model, BASE_NAME).await;
+    let (endpoint, stop) = serve::start_serve(&model, BASE_NAME).await;
     let model_cfg = load_gguf(&model, DType::F32, &Device::Cpu).unwrap().config;
     let base_sha = sha256_file(&model).unwrap();
     eprintln!(
@@ -608,7 +610,7 @@ async fn overtrained_candidate_that_wins_its_task_is_rejected_for_forgetting_and
     .await
     .unwrap();
     eprintln!("over-trained: {:.1}s", t0.elapsed().as_secs_f64());
-    let (endpoint, stop) = support::start_serve(&model, BASE_NAME).await;
+    let (endpoint, stop) = serve::start_serve(&model, BASE_NAME).await;
     let base_sha = sha256_file(&model).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let task_set = dir.path().join("task.jsonl");

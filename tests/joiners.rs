@@ -25,8 +25,7 @@ use std::time::{Duration, Instant};
 
 use hindsight_feedback::{
     EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue, InteractionRecord,
-    LogConfig, LogHandle, RecordLog, Timings, Topic, TopicReader, FEEDBACK_SCHEMA,
-    INTERACTION_SCHEMA,
+    LogConfig, LogHandle, RecordLog, Timings, Topic, TopicReader, INTERACTION_SCHEMA,
 };
 use serde_json::json;
 use support::{brokers, free_port, metric_sum};
@@ -154,17 +153,10 @@ fn interaction(episode: &str, content: &str, t: i64) -> InteractionRecord {
 }
 
 fn feedback(target: FeedbackTarget, value: FeedbackValue, t: i64) -> FeedbackRecord {
+    let metric = matches!(value, FeedbackValue::Score(_)).then(|| "quality".to_string());
     FeedbackRecord {
-        schema: FEEDBACK_SCHEMA.into(),
-        feedback_id: Uuid::now_v7(),
-        target,
-        metric: matches!(value, FeedbackValue::Score(_)).then(|| "quality".to_string()),
-        value,
-        source: None,
-        rater: None,
-        tags: vec![],
-        retracts: None,
-        event_time_ms: t,
+        metric,
+        ..FeedbackRecord::new(target, value, t)
     }
 }
 

@@ -36,7 +36,13 @@ fn main() -> Result<()> {
 
 async fn run() -> Result<()> {
     let model = hindsight_model::testing::default_model_path()?;
-    let swaps: usize = hindsight_bench::knobs::knob("HINDSIGHT_BENCH_SWAPS", 100)?;
+    // Not hindsight_bench::knobs: serve/examples/ includes this file. A bad value stops.
+    let swaps: usize = match std::env::var("HINDSIGHT_BENCH_SWAPS") {
+        Ok(v) => v
+            .parse()
+            .with_context(|| format!("HINDSIGHT_BENCH_SWAPS={v:?}"))?,
+        Err(_) => 100,
+    };
     // Two adapter directories to alternate between.
     let tmp = tempfile::tempdir()?;
     let dirs = adapter_dirs(&model, tmp.path())?;

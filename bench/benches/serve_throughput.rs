@@ -48,7 +48,13 @@ fn main() -> Result<()> {
 
 async fn run() -> Result<()> {
     let model = hindsight_model::testing::default_model_path()?;
-    let per_stream: usize = hindsight_bench::knobs::knob("HINDSIGHT_BENCH_REQUESTS", 2)?;
+    // Not hindsight_bench::knobs: serve/examples/ includes this file. A bad value stops.
+    let per_stream: usize = match std::env::var("HINDSIGHT_BENCH_REQUESTS") {
+        Ok(v) => v
+            .parse()
+            .with_context(|| format!("HINDSIGHT_BENCH_REQUESTS={v:?}"))?,
+        Err(_) => 2,
+    };
     use clap::Parser;
     let args = Cli::parse_from(["x", "--model", model.to_str().context("path")?]).serve;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -57,7 +57,7 @@ fn main() -> Result<()> {
     let steps: usize = match std::env::var("HINDSIGHT_BENCH_STEPS") {
         Ok(v) => v
             .parse()
-            .map_err(|e| anyhow::anyhow!("HINDSIGHT_BENCH_STEPS={v:?} is not valid: {e}"))?,
+            .with_context(|| format!("HINDSIGHT_BENCH_STEPS={v:?}"))?,
         Err(_) => 3,
     };
     let dev = Device::Cpu;

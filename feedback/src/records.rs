@@ -222,6 +222,25 @@ pub struct FeedbackRecord {
     pub event_time_ms: i64,
 }
 
+impl FeedbackRecord {
+    /// A feedback event on `target` accepted at `event_time_ms` with a fresh UUIDv7 id and no
+    /// metric, source, rater, tags or retraction (set those fields after, where they apply).
+    pub fn new(target: FeedbackTarget, value: FeedbackValue, event_time_ms: i64) -> Self {
+        Self {
+            schema: FEEDBACK_SCHEMA.into(),
+            feedback_id: Uuid::now_v7(),
+            target,
+            value,
+            metric: None,
+            source: None,
+            rater: None,
+            tags: vec![],
+            retracts: None,
+            event_time_ms,
+        }
+    }
+}
+
 /// One feedback event as attached to an episode turn.
 pub type FeedbackEvent = FeedbackRecord;
 

@@ -11,7 +11,7 @@ use common::*;
 use hindsight_feedback::{
     run_joiner, EpisodeInference, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget,
     FeedbackValue, InteractionRecord, JoinerConfig, LogHandle, Timings, Topic, TopicReader,
-    ValidatedLogConfig, FEEDBACK_SCHEMA, INTERACTION_SCHEMA,
+    ValidatedLogConfig, INTERACTION_SCHEMA,
 };
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -49,17 +49,10 @@ fn interaction(
 }
 
 fn feedback(target: FeedbackTarget, value: FeedbackValue, t: i64) -> FeedbackRecord {
+    let metric = matches!(value, FeedbackValue::Score(_)).then(|| "quality".to_string());
     FeedbackRecord {
-        schema: FEEDBACK_SCHEMA.into(),
-        feedback_id: Uuid::now_v7(),
-        target,
-        metric: matches!(value, FeedbackValue::Score(_)).then(|| "quality".to_string()),
-        value,
-        source: None,
-        rater: None,
-        tags: vec![],
-        retracts: None,
-        event_time_ms: t,
+        metric,
+        ..FeedbackRecord::new(target, value, t)
     }
 }
 

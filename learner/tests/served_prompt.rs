@@ -12,7 +12,7 @@ use serde_json::json;
 fn the_learner_sees_the_prompt_serve_built() {
     use hindsight_feedback::{
         EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget,
-        FeedbackValue, EPISODE_SCHEMA, FEEDBACK_SCHEMA,
+        FeedbackValue, EPISODE_SCHEMA,
     };
     use hindsight_learner::example::{build_example, ExampleConfig};
     use hindsight_model::{candle_core, default_model_path, encode, ModelBundle};
@@ -73,18 +73,11 @@ fn the_learner_sees_the_prompt_serve_built() {
             answer: Some(json!({"role": "assistant", "content": "It was delivered."})),
             behaviour: None,
             adapter: None,
-            feedback: vec![FeedbackRecord {
-                schema: FEEDBACK_SCHEMA.into(),
-                feedback_id: uuid::Uuid::now_v7(),
-                target: FeedbackTarget::Episode("e".into()),
-                value: FeedbackValue::Comment("Give the delivery date too.".into()),
-                metric: None,
-                source: None,
-                rater: None,
-                tags: vec![],
-                retracts: None,
-                event_time_ms: 0,
-            }],
+            feedback: vec![FeedbackRecord::new(
+                FeedbackTarget::Episode("e".into()),
+                FeedbackValue::Comment("Give the delivery date too.".into()),
+                0,
+            )],
             interaction_time_ms: 0,
             feedback_time_ms: 0,
             emitted_at_ms: 0,
