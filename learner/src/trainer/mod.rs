@@ -346,7 +346,12 @@ impl Trainer {
             adapters,
             train,
         )?;
-        Ok(hidden.squeeze(0)?)
+        // Without `train` nothing back-propagates through these rows, but the adapters' weights
+        // are variables (the teacher's too), so the rows would carry the whole forward graph
+        // (every layer's activations over the prompt and the answer) for as long as they are
+        // kept: the teacher's cached work held ~150 MB an example that way.
+        let rows = hidden.squeeze(0)?;
+        Ok(if train { rows } else { rows.detach() })
     }
 
     /// The logits of the positions `rows` that predict `answer`, and `answer`'s log-probs.

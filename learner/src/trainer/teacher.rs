@@ -278,7 +278,9 @@ impl Trainer {
                 _ => logits.swap_remove(0),
             };
             let row: Vec<f32> = logits.squeeze(0)?.to_vec1()?;
-            rows.push(logits);
+            // Detached: the teacher's weights are variables, and a kept row would otherwise
+            // keep the decoding's whole graph (its KV cache included) alive in the cache.
+            rows.push(logits.detach());
             let Some(id) = next(&row) else {
                 return Ok(None);
             };
