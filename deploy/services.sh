@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs (if missing) and runs the local services Hindsight needs, on loopback only:
-#   - a Kafka-protocol broker: tansu 0.6.0 (from crates.io), storage in SQLite so it survives restarts
+#   - a Kafka-protocol broker: tansu 0.6.0 (from crates.io) with its PostgreSQL storage engine, on a
+#     private PostgreSQL cluster (Debian's postgresql) so it survives restarts. SQLite storage was
+#     the default until 2026-12-06: it fell behind at 1,000 records/s and slowed as its file grew
+#     (docs/experiments/2026-12-06-postgres-broker.md)
 #   - Redis: Debian's redis-server
 #   - Prometheus and promtool: Debian's prometheus (installed only; deploy/prometheus/ holds the
 #     config, and tests/prometheus.rs starts its own instance against the processes it spawns)
@@ -8,6 +11,7 @@
 #     controller's operator page with it, headless)
 #
 # Usage: deploy/services.sh up|down|status|install|kafka-stop|kafka-kill|kafka-start|kafka-reset
+# (kafka-kill SIGKILLs the broker process; its PostgreSQL keeps running, as a database would)
 #
 # Idempotent: `up` twice leaves one broker and one Redis running. It refuses to start a service
 # on a port that something else already holds (a stale broker once silently served a test run).
@@ -16,17 +20,23 @@
 # Environment:
 #   HINDSIGHT_HOME   where binaries and state live (default /opt/hindsight)
 #   KAFKA_PORT       broker port (default 9092)     REDIS_PORT   Redis port (default 6379)
+#   PG_PORT          the broker's PostgreSQL port (default 5433; Debian's own cluster keeps 5432)
 set -euo pipefail
 
 HINDSIGHT_HOME=${HINDSIGHT_HOME:-/opt/hindsight}
 KAFKA_PORT=${KAFKA_PORT:-9092}
 REDIS_PORT=${REDIS_PORT:-6379}
+PG_PORT=${PG_PORT:-5433}
 TANSU_VERSION=0.6.0
-TANSU_ROOT="$HINDSIGHT_HOME/tansu-$TANSU_VERSION"
+# Built with the postgres engine (a build without it lives in tansu-$TANSU_VERSION).
+TANSU_ROOT="$HINDSIGHT_HOME/tansu-$TANSU_VERSION-pg"
 TANSU_BIN="$TANSU_ROOT/bin/tansu"
 STATE="$HINDSIGHT_HOME/state"
 KAFKA_DIR="$STATE/kafka"
 REDIS_DIR="$STATE/redis"
+PG_DIR="$STATE/pg"
+HERE=$(cd "$(dirname "$0")" && pwd)
+BROKER_DB="postgres://postgres@127.0.0.1:$PG_PORT/tansu"
 
 say() { printf '[services] %s\n' "$*"; }
 die() { printf '[services] error: %s\n' "$*" >&2; exit 1; }
@@ -97,8 +107,74 @@ install_tansu() {
   say "installing tansu $TANSU_VERSION from crates.io into $TANSU_ROOT (8-9 minutes on 2 cores, once)"
   mkdir -p "$TANSU_ROOT"
   cargo install tansu --version "$TANSU_VERSION" --locked --no-default-features \
-    --features dynostore,libsql --root "$TANSU_ROOT" --quiet
+    --features dynostore,libsql,postgres --root "$TANSU_ROOT" --quiet
   [ -x "$TANSU_BIN" ] || die "tansu install finished but $TANSU_BIN is missing"
+}
+
+# Debian's PostgreSQL binaries (newest major installed).
+pg_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1; }
+
+install_postgres() {
+  if [ -x "$(pg_bin)/initdb" ]; then
+    say "postgresql present: $("$(pg_bin)/postgres" --version | cut -d' ' -f3)"
+    return
+  fi
+  say "installing postgresql from Debian's packages"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq postgresql >/dev/null 2>&1 || {
+    apt-get update -qq && apt-get install -y -qq postgresql >/dev/null
+  }
+  [ -x "$(pg_bin)/initdb" ] || die "postgresql installed but no initdb under /usr/lib/postgresql/*/bin"
+}
+
+# PostgreSQL refuses to run as root: as root, its commands run as the postgres user.
+as_pg() { if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+psql_pg() { "$(pg_bin)/psql" -h 127.0.0.1 -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 -qAt "$@"; }
+pg_answers() { "$(pg_bin)/pg_isready" -h 127.0.0.1 -p "$PG_PORT" -q 2>/dev/null; }
+
+# The broker's database with tansu's schema (deploy/tansu/pg-schema.sql), created once.
+ensure_broker_db() {
+  if [ "$(psql_pg -d postgres -c "select 1 from pg_database where datname = 'tansu'")" != 1 ]; then
+    say "creating the broker's database (tansu schema $TANSU_VERSION)"
+    psql_pg -d postgres -c "create database tansu" >/dev/null
+    psql_pg -d tansu -f "$HERE/tansu/pg-schema.sql" >/dev/null
+  fi
+}
+
+start_postgres() {
+  local bin; bin=$(pg_bin)
+  if [ ! -f "$PG_DIR/PG_VERSION" ]; then
+    mkdir -p "$PG_DIR"
+    if [ "$(id -u)" = 0 ]; then chown postgres:postgres "$PG_DIR"; fi
+    say "creating the broker's PostgreSQL cluster in $PG_DIR"
+    as_pg "$bin/initdb" -D "$PG_DIR" -A trust -U postgres >"$STATE/pg-initdb.log" 2>&1 || {
+      tail -n 20 "$STATE/pg-initdb.log" >&2
+      die "initdb failed (log: $STATE/pg-initdb.log)"
+    }
+  fi
+  if pg_answers; then
+    say "postgresql already running (127.0.0.1:$PG_PORT)"
+  else
+    if port_busy "$PG_PORT"; then
+      die "port $PG_PORT is held by another process (pid $(listener_pid "$PG_PORT")); refusing to start PostgreSQL there. Stop it or set PG_PORT."
+    fi
+    say "starting postgresql on 127.0.0.1:$PG_PORT (data in $PG_DIR)"
+    as_pg "$bin/pg_ctl" -D "$PG_DIR" -l "$PG_DIR/postgresql.log" -w -t 60 \
+      -o "-p $PG_PORT -c listen_addresses=127.0.0.1 -k $PG_DIR" start >/dev/null || {
+      tail -n 20 "$PG_DIR/postgresql.log" >&2 || true
+      die "postgresql did not start (log: $PG_DIR/postgresql.log)"
+    }
+  fi
+  ensure_broker_db
+}
+
+stop_postgres() {
+  if [ -f "$PG_DIR/postmaster.pid" ]; then
+    say "stopping postgresql"
+    as_pg "$(pg_bin)/pg_ctl" -D "$PG_DIR" -m fast -w stop >/dev/null || true
+  else
+    say "postgresql not running"
+  fi
 }
 
 kafka_answers() {
@@ -135,13 +211,14 @@ start_kafka() {
   if port_busy "$KAFKA_PORT"; then
     die "port $KAFKA_PORT is held by another process (pid $(listener_pid "$KAFKA_PORT")); refusing to start a broker there. Stop it or set KAFKA_PORT."
   fi
-  say "starting tansu broker on 127.0.0.1:$KAFKA_PORT (storage sqlite://$KAFKA_DIR/tansu.db)"
+  start_postgres
+  say "starting tansu broker on 127.0.0.1:$KAFKA_PORT (storage $BROKER_DB)"
   (
     cd "$KAFKA_DIR"
     RUST_LOG=${TANSU_LOG:-warn} nohup "$TANSU_BIN" broker \
       --listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
       --advertised-listener-url "tcp://127.0.0.1:$KAFKA_PORT" \
-      --storage-engine "sqlite://tansu.db" \
+      --storage-engine "$BROKER_DB" \
       >>"$KAFKA_DIR/tansu.log" 2>&1 &
     echo $! >"$KAFKA_DIR/tansu.pid"
   )
@@ -207,11 +284,14 @@ stop_redis() {
 }
 
 # Stops the broker, deletes its data and starts it empty. The test command does this first:
-# tansu's SQLite engine slows down as its file grows (a 500 MB file after a benchmark made
-# every request take seconds), and tests need no data from earlier runs.
+# tests need no data from earlier runs (and earlier, SQLite storage slowed as its file grew).
 reset_kafka() {
   stop_kafka
-  say "deleting broker data in $KAFKA_DIR"
+  start_postgres
+  say "deleting the broker's data (database tansu)"
+  psql_pg -d postgres -c "drop database if exists tansu with (force)" >/dev/null
+  ensure_broker_db
+  # Leftovers of the SQLite storage used before 2026-12-06.
   rm -f "$KAFKA_DIR"/tansu.db "$KAFKA_DIR"/tansu.db-shm "$KAFKA_DIR"/tansu.db-wal
   : >"$KAFKA_DIR/tansu.log" 2>/dev/null || true
   start_kafka
@@ -219,19 +299,20 @@ reset_kafka() {
 
 status() {
   local rc=0
+  if pg_answers; then say "postgresql (the broker's storage): up on 127.0.0.1:$PG_PORT"; else say "postgresql (the broker's storage): down"; rc=1; fi
   if kafka_answers 2>/dev/null; then say "broker: up on 127.0.0.1:$KAFKA_PORT (pid $(listener_pid "$KAFKA_PORT"))"; else say "broker: down"; rc=1; fi
   if redis_answers; then say "redis:  up on 127.0.0.1:$REDIS_PORT (pid $(listener_pid "$REDIS_PORT"))"; else say "redis:  down"; rc=1; fi
   return $rc
 }
 
 case "${1:-}" in
-  install) install_redis; install_prometheus; install_chromium; install_tansu ;;
-  up) install_redis; install_prometheus; install_chromium; install_tansu; start_redis; start_kafka; say "KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT REDIS_URL=redis://127.0.0.1:$REDIS_PORT/" ;;
-  down) stop_kafka; stop_redis ;;
+  install) install_redis; install_prometheus; install_chromium; install_postgres; install_tansu ;;
+  up) install_redis; install_prometheus; install_chromium; install_postgres; install_tansu; start_redis; start_kafka; say "KAFKA_BROKERS=127.0.0.1:$KAFKA_PORT REDIS_URL=redis://127.0.0.1:$REDIS_PORT/" ;;
+  down) stop_kafka; stop_postgres; stop_redis ;;
   status) status ;;
   kafka-stop) stop_kafka ;;
   kafka-kill) kill_kafka ;;
   kafka-start) start_kafka ;;
-  kafka-reset) install_tansu; reset_kafka ;;
+  kafka-reset) install_postgres; install_tansu; reset_kafka ;;
   *) echo "usage: $0 up|down|status|install|kafka-stop|kafka-kill|kafka-start|kafka-reset" >&2; exit 2 ;;
 esac
