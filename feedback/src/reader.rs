@@ -217,6 +217,7 @@ impl TopicReader {
             .set("auto.offset.reset", "earliest")
             .set("session.timeout.ms", "10000")
             .set("enable.partition.eof", "false");
+        read_uncommitted(client);
         // A subscription to a topic the broker does not list yet (just created, or a broker
         // that is slow to publish it) is only retried at the next metadata refresh, 5 minutes
         // by default.
@@ -316,6 +317,16 @@ impl PositionCheck {
     }
 }
 
+/// Consumers read at `read_uncommitted` unless `client_options` say otherwise. Hindsight writes
+/// no transactions, so both levels see the same records; the local broker (tansu 0.6 on
+/// PostgreSQL 15) fails every `ListOffsets` at `read_committed` (its query needs PostgreSQL 16),
+/// which broke watermark and end-offset lookups.
+fn read_uncommitted(client: &mut ClientConfig) {
+    if client.get("isolation.level").is_none() {
+        client.set("isolation.level", "read_uncommitted");
+    }
+}
+
 /// The end of every partition of `topics`: the offset the next record written there will get
 /// (its high watermark). A reader that has read up to these has read everything written before
 /// the call. Blocking (one metadata and one watermark query per partition): call it off the
@@ -329,6 +340,7 @@ pub fn end_offsets(
     client
         .set("group.id", "hindsight-end-offsets")
         .set("enable.auto.commit", "false");
+    read_uncommitted(&mut client);
     let consumer: BaseConsumer = client.create()?;
     let mut ends = Positions::new();
     for name in topics {
@@ -363,6 +375,7 @@ pub fn check_position(
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false");
+    read_uncommitted(&mut client);
     let consumer: BaseConsumer = client.create()?;
     let (low, high) = consumer.fetch_watermarks(topic, partition, timeout)?;
     if high < next {
