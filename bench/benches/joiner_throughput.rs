@@ -27,6 +27,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use hindsight_bench::child::wait_stdin_closed;
 use hindsight_bench::knobs::{knob, knob_list};
 use hindsight_feedback::{
     run_joiner, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue,
@@ -78,18 +79,7 @@ async fn role_joiner() -> anyhow::Result<()> {
         ..JoinerConfig::default()
     }
     .validate()?;
-    let stop = async {
-        let _ = tokio::task::spawn_blocking(|| {
-            let mut buf = String::new();
-            while std::io::stdin()
-                .read_line(&mut buf)
-                .map(|n| n > 0)
-                .unwrap_or(false)
-            {}
-        })
-        .await;
-    };
-    let stats = run_joiner(cfg, log, stop).await?;
+    let stats = run_joiner(cfg, log, wait_stdin_closed()).await?;
     eprintln!("joiner stopped: {stats:?}");
     Ok(())
 }
@@ -221,7 +211,7 @@ async fn run_one(joiners: usize, episodes: usize, partitions: i32) -> anyhow::Re
         joiners,
         input_records: episodes * 3,
         to_first_s: (first - started).as_secs_f64(),
-        steady_s: (last - first).as_secs_f64().max(1e-3),
+        steady_s: (last - first).as_secs_f64(),
         episode_records: records,
     })
 }
@@ -241,13 +231,18 @@ async fn parent() -> anyhow::Result<()> {
     println!("| ---: | ---: | ---: | ---: | ---: | ---: |");
     for k in joiner_counts {
         let r = run_one(k, episodes, partitions).await?;
+        // Under a second of steady state the rate says nothing (one batch can carry it all).
+        let rate = if r.steady_s >= 1.0 {
+            format!("{:.0}", r.input_records as f64 / r.steady_s)
+        } else {
+            "— (under 1 s: raise EPISODES)".into()
+        };
         println!(
-            "| {} | {} | {:.1} s | {:.1} s | {:.0} | {:.2} |",
+            "| {} | {} | {:.1} s | {:.1} s | {rate} | {:.2} |",
             r.joiners,
             r.input_records,
             r.to_first_s,
             r.steady_s,
-            r.input_records as f64 / r.steady_s,
             r.episode_records as f64 / episodes as f64
         );
     }

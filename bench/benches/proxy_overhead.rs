@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
+use hindsight_bench::child::wait_stdin_closed;
 use hindsight_bench::knobs::{knob, knob_list};
 use hindsight_bench::load::{open_loop, LoadResult, Target};
 
@@ -65,18 +66,6 @@ fn role_proxy() -> anyhow::Result<()> {
         eprintln!("proxy stopped: {report:?}");
         Ok(())
     })
-}
-
-async fn wait_stdin_closed() {
-    let _ = tokio::task::spawn_blocking(|| {
-        let mut buf = String::new();
-        while std::io::stdin()
-            .read_line(&mut buf)
-            .map(|n| n > 0)
-            .unwrap_or(false)
-        {}
-    })
-    .await;
 }
 
 struct ChildProc {

@@ -3,6 +3,7 @@
 //! run against.
 
 pub mod baselines;
+pub mod child;
 pub mod knobs;
 pub mod learning;
 pub mod load;
