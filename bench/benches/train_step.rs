@@ -44,6 +44,19 @@ fn cpu_seconds() -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
+/// A memory field of /proc/self/status (`VmRSS:`, `VmHWM:`) in MB; NaN off Linux.
+fn status_mb(field: &str) -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -96,6 +109,10 @@ fn main() -> Result<()> {
     };
     let mut times = Vec::new();
     let (mut train_s, mut train_tps, mut train_cpu_s) = (f64::NAN, f64::NAN, f64::NAN);
+    // The resident set with the model loaded; the peak after the steps is the training's
+    // (generation runs after it is read).
+    let loaded_mb = status_mb("VmRSS:");
+    let mut peak_mb = f64::NAN;
     if steps > 0 {
         let t0 = Instant::now();
         let first_loss = step()?;
@@ -118,6 +135,11 @@ fn main() -> Result<()> {
             "candle LoRA train step (SmolLM2-135M, r=16 all projections, {BATCH}x{SEQ} tokens): \
          {train_s:.3} s median of {steps} ({train_tps:.0} tokens/s), steps {times:.3?}; \
          CPU time {train_cpu_s:.2} s per step"
+        );
+        peak_mb = status_mb("VmHWM:");
+        println!(
+            "candle peak RSS {peak_mb:.0} MB (model loaded: {loaded_mb:.0} MB; the step's own: {:.0} MB)",
+            peak_mb - loaded_mb
         );
     }
 
@@ -177,6 +199,8 @@ fn main() -> Result<()> {
         "train_tokens_per_s": train_tps,
         "train_steps_s": times,
         "train_step_cpu_s": train_cpu_s,
+        "train_peak_rss_mb": peak_mb,
+        "loaded_rss_mb": loaded_mb,
         "generation_tokens_per_s": gen_tps,
         "generation_lora_tokens_per_s": out.len() as f64 / gen_lora_s,
         "generation_q8_0_tokens_per_s": gen_q8_tps,

@@ -103,6 +103,17 @@ class Model(nn.Module):
         return F.linear(self.norm(x), self.embed).float()
 
 
+def status_mb(field):
+    """A /proc/self/status memory field (VmRSS, VmHWM) in MB; NaN off Linux."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
@@ -136,6 +147,7 @@ def main():
         opt.step()
         return loss.item()
 
+    loaded_mb = status_mb("VmRSS")
     step()  # warm-up
     sync()
     times, cpu = [], []
@@ -147,6 +159,7 @@ def main():
         cpu.append(time.process_time() - c0)
     med = statistics.median(times)
     med_cpu = statistics.median(cpu)
+    peak_mb = status_mb("VmHWM")
     tokens = args.batch * args.seq
     print(f"pytorch {torch.__version__} device={args.device} dtype={args.dtype} "
           f"batch={args.batch}x{args.seq} threads={torch.get_num_threads()} "
@@ -154,6 +167,8 @@ def main():
     print(f"pytorch LoRA train step: {med:.3f} s median of {args.steps} "
           f"({tokens / med:.0f} tokens/s), steps {[round(t, 3) for t in times]}; "
           f"CPU time {med_cpu:.2f} s per step")
+    print(f"pytorch peak RSS {peak_mb:.0f} MB (model loaded: {loaded_mb:.0f} MB; "
+          f"the step's own: {peak_mb - loaded_mb:.0f} MB)")
     if (dev.type, args.dtype, args.batch, args.seq) != ("cpu", "float32", BATCH, SEQ):
         return  # the candle JSON is the CPU f32 4 x 256 step: no like-for-like ratio
     if os.path.exists(args.candle_json):
@@ -163,6 +178,11 @@ def main():
         print(f"ratio candle/pytorch step time: {ratio:.2f}x (wall)")
         if c.get("train_step_cpu_s"):
             print(f"ratio candle/pytorch CPU time per step: {c['train_step_cpu_s'] / med_cpu:.2f}x")
+        if c.get("train_peak_rss_mb"):
+            cp, cl = c["train_peak_rss_mb"], c["loaded_rss_mb"]
+            print(f"candle peak RSS {cp:.0f} MB (model loaded: {cl:.0f} MB; the step's own: {cp - cl:.0f} MB)")
+            print(f"ratio candle/pytorch peak RSS: {cp / peak_mb:.2f}x; "
+                  f"the step's own: {(cp - cl) / (peak_mb - loaded_mb):.2f}x")
     else:
         print(f"(no candle result at {args.candle_json}: run "
               f"`cargo bench -p hindsight-bench --bench train_step` first for the ratio)")
