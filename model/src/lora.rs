@@ -728,6 +728,26 @@ impl AdapterSelection<'_> {
 }
 
 impl ResolvedAdapters {
+    /// The adapter's `(A, B, scale)` for projection `target` of `layer` when
+    /// [`crate::ops::lora_linear`] computes exactly what [`ResolvedAdapters::apply`] would, with
+    /// less memory for the backward: one adapter on every row, no dropout, weights tracked for
+    /// training and in the input's dtype.
+    pub(crate) fn fusable(
+        &self,
+        layer: usize,
+        target: LoraTarget,
+        dtype: candle_core::DType,
+    ) -> Option<(&Tensor, &Tensor, f64)> {
+        let [part] = self.parts.as_slice() else {
+            return None;
+        };
+        if part.rows.is_some() || part.dropout > 0.0 {
+            return None;
+        }
+        let (a, b) = part.weights.get(layer)?[target as usize].as_ref()?;
+        (a.dtype() == dtype && a.track_op()).then_some((a, b, part.scale))
+    }
+
     /// `y + sum_adapters rows * scale * (dropout(x) @ A^T) @ B^T` for projection `target` of
     /// layer `layer`; `x` is `[n, in]`, `y` is `[n, out]`.
     pub(crate) fn apply(

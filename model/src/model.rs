@@ -693,7 +693,22 @@ impl Model {
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let rep = nh / nkv;
         let lin = |t_: LoraTarget, inp: &Tensor| -> Result<Tensor> {
-            let y = layer.proj(t_).forward(inp, train)?;
+            let proj = layer.proj(t_);
+            if train {
+                // Training with one adapter: the fused op keeps one tensor per projection for
+                // the backward instead of four.
+                if let Some((a, b, scale)) = adapters.fusable(index, t_, inp.dtype()) {
+                    return Ok(ops::lora_linear(
+                        inp,
+                        &proj.w,
+                        proj.b.as_ref(),
+                        a,
+                        b,
+                        scale,
+                    )?);
+                }
+            }
+            let y = proj.forward(inp, train)?;
             adapters.apply(index, t_, inp, y)
         };
         let h = ops::rms_norm(x, &layer.attn_norm, cfg.rms_norm_eps)?;
@@ -722,21 +737,11 @@ impl Model {
             }
             None => (k, v),
         };
-        let s = k.dim(2)?;
         // Grouped-query attention without materialising repeated keys: the `rep` query heads
         // sharing a key head are stacked along the time axis.
         let q2 = q.reshape((b, nkv, rep * t, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let mut scores = q2.matmul(&k.t()?)?.affine(scale, 0.0)?;
-        if let Some(m) = mask {
-            scores = scores
-                .reshape((b, nkv, rep, t, s))?
-                .broadcast_add(m)?
-                .reshape((b, nkv, rep * t, s))?;
-        }
-        let p = ops::softmax_last_dim(&scores)?;
-        let o = p
-            .matmul(&v)?
+        let o = ops::attention(&q2, &k, &v, mask, rep, scale)?
             .reshape((b, nh, t, hd))?
             .transpose(1, 2)?
             .reshape((b * t, nh * hd))?;

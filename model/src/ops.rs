@@ -12,7 +12,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Storage, Tensor, D};
+use candle_core::{CpuStorage, CustomOp1, CustomOp3, DType, Layout, Shape, Storage, Tensor, D};
 
 /// Reductions run in f32 for f32/bf16/f16 inputs, in f64 for f64 inputs.
 fn compute_dtype(dtype: DType) -> DType {
@@ -26,15 +26,20 @@ fn compute_dtype(dtype: DType) -> DType {
 type Backward =
     Box<dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Option<Tensor>> + Send + Sync>;
 
-/// A graph node whose forward value was computed elsewhere and whose backward is `bwd(arg, res,
-/// grad_res)`.
-struct Attached {
+/// A forward result computed elsewhere, handed to the graph once (by a custom op's forward).
+struct Handover {
     name: &'static str,
     out: Mutex<Option<Tensor>>,
-    bwd: Backward,
 }
 
-impl Attached {
+impl Handover {
+    fn new(name: &'static str, out: Tensor) -> Self {
+        Self {
+            name,
+            out: Mutex::new(Some(out)),
+        }
+    }
+
     fn take(&self) -> candle_core::Result<Tensor> {
         let mut slot = self
             .out
@@ -43,14 +48,8 @@ impl Attached {
         slot.take()
             .ok_or_else(|| candle_core::Error::Msg(format!("{}: forward ran twice", self.name)))
     }
-}
 
-impl CustomOp1 for Attached {
-    fn name(&self) -> &'static str {
-        self.name
-    }
-
-    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu(&self) -> candle_core::Result<(CpuStorage, Shape)> {
         let out = self.take()?;
         let (storage, layout) = out.storage_and_layout();
         match &*storage {
@@ -59,17 +58,48 @@ impl CustomOp1 for Attached {
         }
     }
 
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+    fn cuda(&self) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
         let out = self.take()?;
         let (storage, layout) = out.storage_and_layout();
         match &*storage {
             Storage::Cuda(s) => Ok((s.try_clone(layout)?, out.shape().clone())),
             _ => candle_core::bail!("{}: result is not on the CUDA device", self.name),
         }
+    }
+}
+
+/// A contiguous copy of `out` (no copy when it already is one), as a handover needs.
+fn handover(name: &'static str, out: Tensor) -> candle_core::Result<Handover> {
+    let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
+        out
+    } else {
+        out.force_contiguous()?
+    };
+    Ok(Handover::new(name, out))
+}
+
+/// A graph node whose forward value was computed elsewhere and whose backward is `bwd(arg, res,
+/// grad_res)`.
+struct Attached {
+    out: Handover,
+    bwd: Backward,
+}
+
+impl CustomOp1 for Attached {
+    fn name(&self) -> &'static str {
+        self.out.name
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.out.cuda()
     }
 
     fn bwd(
@@ -93,16 +123,131 @@ fn attach(
     if !arg.track_op() {
         return Ok(out);
     }
-    let out = if out.is_contiguous() && out.layout().start_offset() == 0 {
-        out
-    } else {
-        out.force_contiguous()?
-    };
     arg.apply_op1(Attached {
-        name,
-        out: Mutex::new(Some(out)),
+        out: handover(name, out)?,
         bwd,
     })
+}
+
+type Backward3 =
+    Box<dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> candle_core::Result<Grads3> + Send + Sync>;
+type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+
+/// [`Attached`] for a result of three arguments: `bwd(a, b, c, grad_res)`.
+struct Attached3 {
+    out: Handover,
+    bwd: Backward3,
+}
+
+impl CustomOp3 for Attached3 {
+    fn name(&self) -> &'static str {
+        self.out.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.out.cpu()
+    }
+
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.out.cuda()
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Grads3> {
+        (self.bwd)(a, b, c, grad)
+    }
+}
+
+/// Grouped-query scaled dot-product attention, `softmax(q k^T * scale + mask) v`, whose backward
+/// recomputes the attention weights from `q` and `k` instead of keeping them. Autograd through
+/// the plain ops keeps the scores, the masked scores and the weights of every layer until the
+/// backward reaches it: three `[heads, queries, keys]` matrices per layer, most of a training
+/// step's memory when it back-propagates through a long prompt. Here a layer keeps only its
+/// `q`, `k`, `v` and output, and the weights exist again only while its own backward runs.
+///
+/// `q` is `[b, g, rep * t, d]`: the `rep` query heads that share key head `g`, stacked along the
+/// time axis; `k` and `v` are `[b, g, s, d]`; `mask` is additive, `[b, 1, 1, t, s]` (0 or -inf).
+/// The forward runs the same ops as the unfused composition, so its values are identical.
+pub fn attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    rep: usize,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let mask = mask.cloned();
+    let weights = move |q: &Tensor, k: &Tensor| -> candle_core::Result<Tensor> {
+        let (b, g, m, _) = q.dims4()?;
+        let s = k.dim(2)?;
+        let mut scores = q.matmul(&k.t()?)?.affine(scale, 0.0)?;
+        if let Some(mask) = &mask {
+            scores = scores
+                .reshape((b, g, rep, m / rep.max(1), s))?
+                .broadcast_add(mask)?
+                .reshape((b, g, m, s))?;
+        }
+        candle_nn::ops::softmax_last_dim(&scores)
+    };
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let out = weights(&qd, &kd)?.matmul(&vd)?;
+    if !(q.track_op() || k.track_op() || v.track_op()) {
+        return Ok(out);
+    }
+    let bwd: Backward3 = Box::new(move |q, k, v, g| {
+        let want = (q.track_op(), k.track_op(), v.track_op());
+        let (q, k, v) = (q.detach(), k.detach(), v.detach());
+        let p = weights(&q, &k)?;
+        let dv = if want.2 {
+            Some(p.t()?.matmul(g)?)
+        } else {
+            None
+        };
+        if !(want.0 || want.1) {
+            return Ok((None, None, dv));
+        }
+        // Softmax backward, then the scale: d(scores) = p * (dp - sum(dp * p)) * scale.
+        let dp = g.matmul(&v.t()?)?;
+        let dot = (&dp * &p)?.sum_keepdim(D::Minus1)?;
+        let ds = ((p * dp.broadcast_sub(&dot)?)? * scale)?;
+        let dq = if want.0 { Some(ds.matmul(&k)?) } else { None };
+        let dk = if want.1 {
+            Some(ds.t()?.matmul(&q)?)
+        } else {
+            None
+        };
+        Ok((dq, dk, dv))
+    });
+    q.apply_op3(
+        k,
+        v,
+        Attached3 {
+            out: handover("hindsight-attention", out)?,
+            bwd,
+        },
+    )
 }
 
 /// RMS normalisation over the last dimension, `x / sqrt(mean(x^2) + eps) * weight`, with the
@@ -211,6 +356,75 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core:
     let last = out_dims.len() - 1;
     out_dims[last] = out_features;
     y.reshape(out_dims)
+}
+
+/// A LoRA-adapted frozen projection, `x @ w^T (+ bias) + scale * (x @ a^T) @ b^T`, with `w`
+/// `[out, in]` frozen and the adapter's `a` `[r, in]` and `b` `[out, r]` trained. Autograd
+/// through the plain ops keeps four `[rows, out]` tensors per projection (the base product, the
+/// low-rank product, its scaled copy and the sum); here only the result is kept, and the
+/// backward recomputes the `[rows, r]` product `x @ a^T` it needs. The forward runs the same ops
+/// as [`frozen_linear`] plus the low-rank product, so its values are identical.
+pub fn lora_linear(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    a: &Tensor,
+    b: &Tensor,
+    scale: f64,
+) -> candle_core::Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let in_dim = *dims
+        .last()
+        .ok_or_else(|| candle_core::Error::Msg("lora_linear: scalar input".into()))?;
+    let rows = x.elem_count() / in_dim.max(1);
+    let x2 = x.reshape((rows, in_dim))?;
+    let y = frozen_linear(&x2.detach(), w, bias)?;
+    let (ad, bd) = (a.detach(), b.detach());
+    let delta = x2
+        .detach()
+        .matmul(&ad.t()?)?
+        .matmul(&bd.t()?)?
+        .affine(scale, 0.0)?;
+    let out = (y + delta)?;
+    let mut out_dims = dims;
+    let last = out_dims.len() - 1;
+    out_dims[last] = w.dim(0)?;
+    if !(x2.track_op() || a.track_op() || b.track_op()) {
+        return out.reshape(out_dims);
+    }
+    let w = w.clone();
+    let bwd: Backward3 = Box::new(move |x, a, b, g| {
+        let want = (x.track_op(), a.track_op(), b.track_op());
+        let (x, a, b) = (x.detach(), a.detach(), b.detach());
+        // The low-rank path's upstream gradient, scaled as the forward scaled its output.
+        let gs = (g * scale)?;
+        let gb = gs.matmul(&b)?;
+        let dx = if want.0 {
+            Some((g.matmul(&w)? + gb.matmul(&a)?)?)
+        } else {
+            None
+        };
+        let da = if want.1 {
+            Some(gb.t()?.matmul(&x)?)
+        } else {
+            None
+        };
+        let db = if want.2 {
+            Some(gs.t()?.matmul(&x.matmul(&a.t()?)?)?)
+        } else {
+            None
+        };
+        Ok((dx, da, db))
+    });
+    x2.apply_op3(
+        a,
+        b,
+        Attached3 {
+            out: handover("hindsight-lora-linear", out)?,
+            bwd,
+        },
+    )?
+    .reshape(out_dims)
 }
 
 /// Row count above which [`cross_entropy_with_head`] recomputes the logits in the backward pass
@@ -426,6 +640,167 @@ mod tests {
             .unwrap();
         for (a, b) in ours.iter().zip(&reference) {
             assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+    }
+
+    /// Grouped-query attention through the plain ops (autograd keeps every intermediate).
+    fn attention_reference(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &Tensor,
+        rep: usize,
+        scale: f64,
+    ) -> candle_core::Result<Tensor> {
+        let (b, g, m, _) = q.dims4()?;
+        let s = k.dim(2)?;
+        let scores = q
+            .matmul(&k.t()?)?
+            .affine(scale, 0.0)?
+            .reshape((b, g, rep, m / rep, s))?
+            .broadcast_add(mask)?
+            .reshape((b, g, m, s))?;
+        softmax_last_dim(&scores)?.matmul(v)
+    }
+
+    /// A causal mask `[b, 1, 1, t, s]` over `s - t` past keys, with one past key of row 1
+    /// masked (padding).
+    fn causal_mask(b: usize, t: usize, s: usize) -> Tensor {
+        let mut m = vec![0f64; b * t * s];
+        for r in 0..b {
+            for i in 0..t {
+                for j in 0..s {
+                    if j > s - t + i || (r == 1 && j == 0 && s > t) {
+                        m[(r * t + i) * s + j] = f64::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(m, (b, 1, 1, t, s), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn attention_backward_matches_finite_differences() {
+        // 2 rows, 2 key heads with 2 query heads each, 3 new queries after 2 past keys.
+        let (b, g, rep, t, s, d) = (2, 2, 2, 3, 5, 4);
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f64, 1.0, (b, g, rep * t, d), &dev).unwrap();
+        let k = Tensor::randn(0f64, 1.0, (b, g, s, d), &dev).unwrap();
+        let v = Tensor::randn(0f64, 1.0, (b, g, s, d), &dev).unwrap();
+        let mask = causal_mask(b, t, s);
+        let scale = 0.5;
+        check_grad(
+            &[b, g, rep * t, d],
+            &|x| attention(x, &k, &v, Some(&mask), rep, scale),
+            1e-6,
+        );
+        check_grad(
+            &[b, g, s, d],
+            &|x| attention(&q, x, &v, Some(&mask), rep, scale),
+            1e-6,
+        );
+        check_grad(
+            &[b, g, s, d],
+            &|x| attention(&q, &k, x, Some(&mask), rep, scale),
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn attention_equals_the_plain_ops_in_value_and_gradient() {
+        let (b, g, rep, t, s, d) = (2, 3, 3, 4, 7, 8);
+        let dev = Device::Cpu;
+        let q = Var::randn(0f64, 1.0, (b, g, rep * t, d), &dev).unwrap();
+        let k = Var::randn(0f64, 1.0, (b, g, s, d), &dev).unwrap();
+        let v = Var::randn(0f64, 1.0, (b, g, s, d), &dev).unwrap();
+        let mask = causal_mask(b, t, s);
+        let probe = Tensor::randn(0f64, 1.0, (b, g, rep * t, d), &dev).unwrap();
+        let run = |f: &dyn Fn() -> candle_core::Result<Tensor>| {
+            let out = f().unwrap();
+            let grads = (&out * &probe)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let flat = |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_vec1().unwrap() };
+            let g_of = |x: &Var| flat(grads.get(x.as_tensor()).expect("no gradient"));
+            (flat(&out), g_of(&q), g_of(&k), g_of(&v))
+        };
+        let ours = run(&|| attention(&q, &k, &v, Some(&mask), rep, 0.3));
+        let plain = run(&|| attention_reference(&q, &k, &v, &mask, rep, 0.3));
+        assert_eq!(ours.0, plain.0, "the forward runs the same ops");
+        for (name, a, r) in [
+            ("q", &ours.1, &plain.1),
+            ("k", &ours.2, &plain.2),
+            ("v", &ours.3, &plain.3),
+        ] {
+            for (x, y) in a.iter().zip(r.iter()) {
+                assert!((x - y).abs() < 1e-12, "d{name}: {x} vs {y}");
+            }
+        }
+        // Without a graph the op is a plain forward (nothing attached).
+        let (qd, kd, vd) = (
+            q.as_detached_tensor(),
+            k.as_detached_tensor(),
+            v.as_detached_tensor(),
+        );
+        let out = attention(&qd, &kd, &vd, Some(&mask), rep, 0.3).unwrap();
+        assert!(!out.track_op());
+    }
+
+    #[test]
+    fn lora_linear_backward_matches_finite_differences() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f64, 1.0, (5, 4), &dev).unwrap();
+        let bias = Tensor::randn(0f64, 1.0, 5, &dev).unwrap();
+        let x = Tensor::randn(0f64, 1.0, (2, 3, 4), &dev).unwrap();
+        let a = Tensor::randn(0f64, 1.0, (2, 4), &dev).unwrap();
+        let b = Tensor::randn(0f64, 1.0, (5, 2), &dev).unwrap();
+        check_grad(
+            &[2, 3, 4],
+            &|x| lora_linear(x, &w, Some(&bias), &a, &b, 1.5),
+            1e-6,
+        );
+        check_grad(&[2, 4], &|a| lora_linear(&x, &w, None, a, &b, 1.5), 1e-6);
+        check_grad(&[5, 2], &|b| lora_linear(&x, &w, None, &a, b, 1.5), 1e-6);
+    }
+
+    #[test]
+    fn lora_linear_equals_the_plain_ops_in_value_and_gradient() {
+        let dev = Device::Cpu;
+        // 7 rows: above frozen_linear's matrix-vector threshold.
+        let w = Tensor::randn(0f64, 1.0, (6, 5), &dev).unwrap();
+        let x = Var::randn(0f64, 1.0, (7, 5), &dev).unwrap();
+        let a = Var::randn(0f64, 1.0, (3, 5), &dev).unwrap();
+        let b = Var::randn(0f64, 1.0, (6, 3), &dev).unwrap();
+        let probe = Tensor::randn(0f64, 1.0, (7, 6), &dev).unwrap();
+        let run = |f: &dyn Fn() -> candle_core::Result<Tensor>| {
+            let out = f().unwrap();
+            let grads = (&out * &probe)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let flat = |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_vec1().unwrap() };
+            let g_of = |v: &Var| flat(grads.get(v.as_tensor()).expect("no gradient"));
+            (flat(&out), g_of(&x), g_of(&a), g_of(&b))
+        };
+        let ours = run(&|| lora_linear(&x, &w, None, &a, &b, 2.0));
+        let plain = run(&|| {
+            let delta = x.matmul(&a.t()?)?.matmul(&b.t()?)?.affine(2.0, 0.0)?;
+            frozen_linear(&x, &w, None)? + delta
+        });
+        assert_eq!(ours.0, plain.0, "the forward runs the same ops");
+        for (name, o, p) in [
+            ("x", &ours.1, &plain.1),
+            ("a", &ours.2, &plain.2),
+            ("b", &ours.3, &plain.3),
+        ] {
+            for (u, v) in o.iter().zip(p.iter()) {
+                assert!((u - v).abs() < 1e-12, "d{name}: {u} vs {v}");
+            }
         }
     }
 
