@@ -9,7 +9,8 @@
 //! length's alone. `--trace` instead runs `--steps` steps in one process, cycling through the
 //! answer lengths with prompts of varying length, and prints the resident set after each step
 //! (does memory creep over a run?). `--prefix-grad false` runs the trainer with the prompt's pass detached
-//! (`TrainerConfig::prefix_grad`).
+//! (`TrainerConfig::prefix_grad`). The trainer distils on the logged answer
+//! (`distill_target = "logged"`), so every step runs the same passes.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,7 +18,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use hindsight_bench::learning::Objective;
 use hindsight_learner::example::TrainExample;
-use hindsight_learner::trainer::{Trainer, TrainerConfig};
+use hindsight_learner::trainer::{DistillTarget, Trainer, TrainerConfig};
 use hindsight_model::candle_core::{DType, Device};
 use hindsight_model::ModelBundle;
 use rand::{Rng, SeedableRng};
@@ -134,8 +135,11 @@ fn main() -> Result<()> {
     let bundle = ModelBundle::load(&path, DType::F32, &Device::Cpu)
         .with_context(|| format!("{} (run deploy/fetch-model.sh)", path.display()))?;
     let vocab = bundle.config.vocab_size as u32;
+    // Distilled on the logged answer: every step runs the same passes (the teacher's own
+    // answer, the default, would add a decoding of varying length and a second student pass).
     let mut cfg = TrainerConfig {
         prefix_grad: a.prefix_grad,
+        distill_target: DistillTarget::Logged,
         ..TrainerConfig::default()
     };
     cfg.objectives = a.objective.weights(cfg.objectives);
