@@ -104,6 +104,43 @@ pub(super) fn check_ops(r: &mut Report, rng: &mut rand::rngs::StdRng, gpu: &Devi
         &|t| ops::frozen_linear(&t[0], &t[1].detach(), Some(&t[2].detach())),
         gpu,
     )?;
+    let a = randn(rng, &[8, 576], 0.05)?;
+    let b = randn(rng, &[1536, 8], 0.05)?;
+    let wl = randn(rng, &[1536, 576], 0.05)?;
+    op_parity(
+        r,
+        "lora_linear",
+        &[x.clone(), a, b, wl],
+        &|t| ops::lora_linear(&t[0], &t[3].detach(), None, &t[1], &t[2], 2.0),
+        gpu,
+    )?;
+    // Grouped-query attention: 3 key heads of 3 query heads each, 37 new queries after 8 past
+    // keys, causal.
+    let (past, t, s) = (8usize, 37usize, 45usize);
+    let mask: Vec<f32> = (0..2 * t * s)
+        .map(|i| {
+            let (qi, j) = ((i / s) % t, i % s);
+            if j > past + qi {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (2, 1, 1, t, s), &Device::Cpu)?;
+    let q = randn(rng, &[2, 3, 3 * t, 64], 1.0)?;
+    let k = randn(rng, &[2, 3, s, 64], 1.0)?;
+    let v = randn(rng, &[2, 3, s, 64], 1.0)?;
+    op_parity(
+        r,
+        "attention",
+        &[q, k, v],
+        &|t| {
+            let m = mask.to_device(t[0].device())?;
+            ops::attention(&t[0], &t[1], &t[2], Some(&m), 3, 0.125)
+        },
+        gpu,
+    )?;
     let h = randn(rng, &[148, 576], 1.0)?;
     let head = randn(rng, &[49152, 576], 0.05)?;
     let targets: Vec<u32> = (0..148).map(|_| rng.random_range(0..49152u32)).collect();
