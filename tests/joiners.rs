@@ -24,8 +24,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hindsight_feedback::{
-    EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue, InteractionRecord,
-    LogConfig, LogHandle, RecordLog, Timings, Topic, TopicReader, INTERACTION_SCHEMA,
+    EpisodeRecord, FeedbackRecord, FeedbackTarget, FeedbackValue, InteractionRecord, LogConfig,
+    LogHandle, RecordLog, Topic, TopicReader,
 };
 use serde_json::json;
 use support::{brokers, free_port, metric_sum};
@@ -130,26 +130,13 @@ impl Drop for JoinProcess {
 }
 
 fn interaction(episode: &str, content: &str, t: i64) -> InteractionRecord {
-    InteractionRecord {
-        schema: INTERACTION_SCHEMA.into(),
-        interaction_id: Uuid::now_v7(),
-        episode_id: episode.into(),
-        episode_source: EpisodeSource::Header,
-        event_time_ms: t,
-        route: "default".into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        request: json!({"model": "m", "messages": [{"role": "user", "content": content}]}),
-        response: Some(json!({"choices": [{"index": 0, "finish_reason": "stop",
-            "message": {"role": "assistant", "content": "ok"}}]})),
-        status: 200,
-        streamed: false,
-        timings: Timings::default(),
-        adapter: None,
-        behaviour: None,
-        error: None,
-        assignment: None,
-    }
+    InteractionRecord::chat(
+        episode,
+        json!({"model": "m", "messages": [{"role": "user", "content": content}]}),
+        json!({"choices": [{"index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "ok"}}]}),
+        t,
+    )
 }
 
 fn feedback(target: FeedbackTarget, value: FeedbackValue, t: i64) -> FeedbackRecord {

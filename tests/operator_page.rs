@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use hindsight_control::registry::{OffsetRange, VersionEntry, VersionStatus};
 use hindsight_control::rollout::{self, Op};
 use hindsight_feedback::{
-    AssignmentRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue,
-    InteractionRecord, LogConfig, Timings, Topic, FEEDBACK_SCHEMA, INTERACTION_SCHEMA,
+    AssignmentRecord, FeedbackRecord, FeedbackTarget, FeedbackValue, InteractionRecord, LogConfig,
+    Timings, Topic, FEEDBACK_SCHEMA,
 };
 use hindsight_routing::{RoutingStore, StoreConfig};
 use serde_json::{json, Value};
@@ -164,25 +164,12 @@ fn run_log(path: &Path) {
 
 fn interaction(arm: &str, version: &str, rollout_id: &str) -> InteractionRecord {
     InteractionRecord {
-        schema: INTERACTION_SCHEMA.into(),
-        interaction_id: uuid::Uuid::now_v7(),
-        episode_id: format!("ep-{}", uuid::Uuid::now_v7()),
-        episode_source: EpisodeSource::Header,
-        event_time_ms: hindsight_feedback::now_ms(),
         route: "support".into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        request: json!({}),
-        response: Some(json!({"choices": [{"message": {"content": "your refund is on its way"}}]})),
-        status: 200,
-        streamed: false,
         timings: Timings {
             upstream_headers_ms: 20.0,
             total_ms: 40.0,
         },
         adapter: Some(version.into()),
-        behaviour: None,
-        error: None,
         assignment: Some(AssignmentRecord {
             route: "support".into(),
             arm: arm.into(),
@@ -190,6 +177,12 @@ fn interaction(arm: &str, version: &str, rollout_id: &str) -> InteractionRecord 
             rollout_id: Some(rollout_id.into()),
             probability: 0.5,
         }),
+        ..InteractionRecord::chat(
+            format!("ep-{}", uuid::Uuid::now_v7()),
+            json!({}),
+            json!({"choices": [{"message": {"content": "your refund is on its way"}}]}),
+            hindsight_feedback::now_ms(),
+        )
     }
 }
 

@@ -30,9 +30,8 @@ use anyhow::{bail, Context};
 use hindsight_bench::child::wait_stdin_closed;
 use hindsight_bench::knobs::{knob, knob_list};
 use hindsight_feedback::{
-    run_joiner, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue,
-    InteractionRecord, JoinerConfig, LogConfig, RecordLog, Timings, Topic, TopicReader,
-    INTERACTION_SCHEMA,
+    run_joiner, EpisodeRecord, FeedbackRecord, FeedbackTarget, FeedbackValue, InteractionRecord,
+    JoinerConfig, LogConfig, RecordLog, Topic, TopicReader,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -85,28 +84,15 @@ async fn role_joiner() -> anyhow::Result<()> {
 }
 
 fn interaction(episode: &str, t: i64) -> InteractionRecord {
-    InteractionRecord {
-        schema: INTERACTION_SCHEMA.into(),
-        interaction_id: Uuid::now_v7(),
-        episode_id: episode.into(),
-        episode_source: EpisodeSource::Header,
-        event_time_ms: t,
-        route: "default".into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        request: json!({"model": "m", "temperature": 0.7, "messages": [
+    InteractionRecord::chat(
+        episode,
+        json!({"model": "m", "temperature": 0.7, "messages": [
             {"role": "system", "content": "You route customer-support tickets."},
             {"role": "user", "content": format!("Ticket {episode}: my order arrived damaged, I want a refund.")}]}),
-        response: Some(json!({"choices": [{"index": 0, "finish_reason": "stop",
-            "message": {"role": "assistant", "content": "{\"department\": \"returns\", \"priority\": \"normal\", \"refund\": \"full\"}"}}]})),
-        status: 200,
-        streamed: false,
-        timings: Timings::default(),
-        adapter: None,
-        behaviour: None,
-        error: None,
-        assignment: None,
-    }
+        json!({"choices": [{"index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": "{\"department\": \"returns\", \"priority\": \"normal\", \"refund\": \"full\"}"}}]}),
+        t,
+    )
 }
 
 /// One K's run: the backlog, the joiners, the reader. Returns the printed line's figures.

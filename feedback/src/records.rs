@@ -86,6 +86,38 @@ pub struct InteractionRecord {
     pub assignment: Option<AssignmentRecord>,
 }
 
+impl InteractionRecord {
+    /// A completed, non-streamed `POST /v1/chat/completions` on route `default` with status 200,
+    /// a fresh UUIDv7 id and the episode id from a header; no timings, adapter, behaviour, error
+    /// or assignment (set those fields after, where they apply).
+    pub fn chat(
+        episode_id: impl Into<String>,
+        request: serde_json::Value,
+        response: serde_json::Value,
+        event_time_ms: i64,
+    ) -> Self {
+        Self {
+            schema: INTERACTION_SCHEMA.into(),
+            interaction_id: Uuid::now_v7(),
+            episode_id: episode_id.into(),
+            episode_source: EpisodeSource::Header,
+            event_time_ms,
+            route: "default".into(),
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            request,
+            response: Some(response),
+            status: 200,
+            streamed: false,
+            timings: Timings::default(),
+            adapter: None,
+            behaviour: None,
+            error: None,
+            assignment: None,
+        }
+    }
+}
+
 /// How the proxy's routing table assigned a call (see the routing crate): enough to compare
 /// versions online and to evaluate a version off-policy from logged traffic.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use hindsight_feedback::{
     run_joiner, EpisodeInference, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget,
-    FeedbackValue, InteractionRecord, JoinerConfig, LogHandle, Timings, Topic, TopicReader,
-    ValidatedLogConfig, INTERACTION_SCHEMA,
+    FeedbackValue, InteractionRecord, JoinerConfig, LogHandle, Topic, TopicReader,
+    ValidatedLogConfig,
 };
 use serde_json::{json, Value};
 use uuid::Uuid;
@@ -26,25 +26,14 @@ fn interaction(
     t: i64,
 ) -> InteractionRecord {
     InteractionRecord {
-        schema: INTERACTION_SCHEMA.into(),
-        interaction_id: Uuid::now_v7(),
-        episode_id: episode.into(),
         episode_source: source,
-        event_time_ms: t,
-        route: "default".into(),
-        method: "POST".into(),
-        path: "/v1/chat/completions".into(),
-        request: json!({"model": "m", "messages": messages, "tools": [{"type": "function", "function": {"name": "weather"}}]}),
-        response: Some(
-            json!({"choices": [{"index": 0, "message": answer, "finish_reason": "stop"}]}),
-        ),
-        status: 200,
-        streamed: false,
-        timings: Timings::default(),
         adapter: Some("adapter-v1".into()),
-        behaviour: None,
-        error: None,
-        assignment: None,
+        ..InteractionRecord::chat(
+            episode,
+            json!({"model": "m", "messages": messages, "tools": [{"type": "function", "function": {"name": "weather"}}]}),
+            json!({"choices": [{"index": 0, "message": answer, "finish_reason": "stop"}]}),
+            t,
+        )
     }
 }
 

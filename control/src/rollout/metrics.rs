@@ -447,32 +447,15 @@ fn answer_shape(response: Option<&Value>) -> (bool, f64, f64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use hindsight_feedback::{
-        AssignmentRecord, EpisodeSource, Timings, FEEDBACK_SCHEMA, INTERACTION_SCHEMA,
-    };
+    use hindsight_feedback::{AssignmentRecord, Timings, FEEDBACK_SCHEMA};
     use serde_json::json;
 
     fn interaction(arm: &str) -> InteractionRecord {
         InteractionRecord {
-            schema: INTERACTION_SCHEMA.into(),
-            interaction_id: Uuid::now_v7(),
-            episode_id: format!("ep-{}", Uuid::now_v7()),
-            episode_source: EpisodeSource::Header,
-            event_time_ms: 1_000,
-            route: "default".into(),
-            method: "POST".into(),
-            path: "/v1/chat/completions".into(),
-            request: json!({}),
-            response: Some(json!({"choices": [{"message": {"content": "two words"}}]})),
-            status: 200,
-            streamed: false,
             timings: Timings {
                 upstream_headers_ms: 5.0,
                 total_ms: 10.0,
             },
-            adapter: None,
-            behaviour: None,
-            error: None,
             assignment: Some(AssignmentRecord {
                 route: "support".into(),
                 arm: arm.into(),
@@ -480,6 +463,12 @@ mod tests {
                 rollout_id: Some("r1".into()),
                 probability: 0.5,
             }),
+            ..InteractionRecord::chat(
+                format!("ep-{}", Uuid::now_v7()),
+                json!({}),
+                json!({"choices": [{"message": {"content": "two words"}}]}),
+                1_000,
+            )
         }
     }
 
