@@ -302,6 +302,16 @@ impl ValidatedLogConfig {
         .set("compression.type", "lz4");
         cc
     }
+
+    /// The spill replay's producer: one request in flight per connection, so a retried request
+    /// cannot land after the ones sent behind it and the spill reaches Kafka in the order it was
+    /// written. Live traffic keeps pipelining (`producer_config`); replay sends whole batches, so
+    /// one request at a time costs it little.
+    pub(crate) fn replay_producer_config(&self) -> ClientConfig {
+        let mut cc = self.producer_config();
+        cc.set("max.in.flight.requests.per.connection", "1");
+        cc
+    }
 }
 
 /// Creates the given topics if missing ("already exists" counts as success).

@@ -57,6 +57,16 @@ fn create_producer(
     })
 }
 
+fn create_replay_producer(
+    cfg: &ValidatedLogConfig,
+    broker_down: &Arc<AtomicBool>,
+) -> Result<LogProducer, KafkaError> {
+    cfg.replay_producer_config()
+        .create_with_context(BrokerWatch {
+            broker_down: broker_down.clone(),
+        })
+}
+
 /// A record handed to the producer and not yet acknowledged.
 struct Inflight {
     rec: LogRecord,
@@ -69,10 +79,15 @@ pub(super) struct Writer {
     cfg: ValidatedLogConfig,
     shared: Arc<Shared>,
     producer: LogProducer,
+    /// Sends the spill (see `replay_producer_config`); made at the first replay, so a process
+    /// whose broker never fails runs one Kafka client, not two.
+    replay_producer: Option<LogProducer>,
     inflight: FuturesUnordered<InflightDelivery>,
     /// By send order: the first entry is the oldest unacknowledged record.
     inflight_records: BTreeMap<u64, Inflight>,
     next_seq: u64,
+    /// Every record in flight with a smaller sequence number has a copy in the spill.
+    spilled_below: u64,
     topics_ready: bool,
     last_probe: Option<Instant>,
     replay_now: bool,
@@ -102,9 +117,11 @@ impl Writer {
             cfg,
             shared,
             producer,
+            replay_producer: None,
             inflight: FuturesUnordered::new(),
             inflight_records: BTreeMap::new(),
             next_seq: 0,
+            spilled_below: 0,
             topics_ready,
             last_probe: None,
             replay_now: true,
@@ -196,11 +213,17 @@ impl Writer {
     /// duplicate that consumers drop by id.
     fn spill_inflight(&mut self) {
         let mut copied = 0u64;
-        for f in self.inflight_records.values_mut().filter(|f| !f.spilled) {
+        for f in self
+            .inflight_records
+            .range_mut(self.spilled_below..)
+            .map(|(_, f)| f)
+            .filter(|f| !f.spilled)
+        {
             self.shared.spill_one(f.rec.clone());
             f.spilled = true;
             copied += 1;
         }
+        self.spilled_below = self.next_seq;
         if copied > 0 {
             self.producer.purge(PurgeConfig::default().queue());
             self.replay_now = false;
@@ -222,10 +245,17 @@ impl Writer {
     /// Sends a record directly, unless the spill holds older records (order), the broker is
     /// known to be down, or topics are not ready.
     fn dispatch(&mut self, rec: LogRecord) {
+        let broker_down = self.shared.broker_down.load(Ordering::Relaxed);
         if !self.topics_ready
-            || self.shared.broker_down.load(Ordering::Relaxed)
+            || broker_down
             || self.shared.spill_pending.load(Ordering::Relaxed) > 0
         {
+            if broker_down {
+                // The records sent before this one and still unacknowledged go to the spill
+                // first, so the spill keeps submission order (the broker's watcher may have
+                // flagged the outage before the writer's tick copied them).
+                self.spill_inflight();
+            }
             self.shared.spill_one(rec);
             return;
         }
@@ -259,6 +289,7 @@ impl Writer {
             }
             Err((e, _)) => {
                 warn!(id = %rec.id, error = %e, "Producer refused record; spilling.");
+                self.spill_inflight();
                 self.shared.spill_one(rec);
                 self.shared.broker_down.store(true, Ordering::Relaxed);
                 self.replay_now = false;
@@ -310,6 +341,12 @@ impl Writer {
                 }
             }
         }
+        if let Some(p) = &self.replay_producer {
+            if let Some((code, reason)) = p.client().fatal_error() {
+                warn!(?code, %reason, "Kafka replay producer hit a fatal error; recreating it.");
+                self.replay_producer = None;
+            }
+        }
         if !self.topics_ready {
             if !self.probe_broker().await {
                 self.replay_now = false;
@@ -356,10 +393,22 @@ impl Writer {
                 return false;
             }
         };
+        let replay_producer = match self.replay_producer.take() {
+            Some(p) => p,
+            None => match create_replay_producer(&self.cfg, &self.shared.broker_down) {
+                Ok(p) => p,
+                Err(e) => {
+                    error!(error = %e, "Creating the Kafka replay producer failed.");
+                    self.replay_now = false;
+                    return false;
+                }
+            },
+        };
+        let replay_producer = &*self.replay_producer.insert(replay_producer);
         let mut futs = Vec::with_capacity(batch.len());
         for rec in &batch {
             let topic_name = self.cfg.topics().get(rec.topic);
-            match self.producer.send_result(
+            match replay_producer.send_result(
                 FutureRecord::to(topic_name)
                     .key(rec.key.as_bytes())
                     .payload(rec.payload.as_ref())
@@ -488,5 +537,73 @@ impl Writer {
             "Record log flushed."
         );
         report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Mutex;
+
+    use bytes::Bytes;
+
+    use super::*;
+    use crate::log::{Counters, LogConfig};
+    use crate::records::Topic;
+    use crate::spill::Spill;
+
+    /// The outage race the log test hit under load: librdkafka flags every broker down (the
+    /// producer's context sets `broker_down`) before the writer's tick copies the records it
+    /// had in flight. The next record diverted to the spill must not overtake them.
+    #[tokio::test]
+    async fn records_in_flight_enter_the_spill_ahead_of_later_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = LogConfig {
+            brokers: "127.0.0.1:1".into(),
+            spill_dir: dir.path().to_path_buf(),
+            create_topics: false,
+            ..LogConfig::default()
+        }
+        .validate()
+        .unwrap();
+        let (tx, _rx) = mpsc::channel(16);
+        let shared = Arc::new(Shared {
+            tx,
+            spill: Mutex::new(Spill::open(dir.path(), 1 << 20, 1 << 16).unwrap()),
+            spill_pending: AtomicU64::new(0),
+            spill_bytes: AtomicU64::new(0),
+            spill_corrupt: AtomicU64::new(0),
+            counters: Counters::default(),
+            broker_down: Arc::new(AtomicBool::new(false)),
+            sync_every_append: false,
+        });
+        let mut writer = Writer::new(cfg.clone(), shared.clone(), true).unwrap();
+        // librdkafka's own thread would flag the refused address down at a moment of its
+        // choosing (after the first record on a fast machine); the test flips the flag itself.
+        // (Dropping the first producer joins its polling thread: no callback comes after.)
+        writer.producer = create_producer(&cfg, &Arc::new(AtomicBool::new(false))).unwrap();
+        shared.broker_down.store(false, Ordering::Relaxed);
+        let ids: Vec<Uuid> = (0..10).map(|_| Uuid::now_v7()).collect();
+        let record = |id: Uuid| LogRecord {
+            topic: Topic::Feedback,
+            key: "k".into(),
+            id,
+            payload: Bytes::from_static(b"{}"),
+        };
+        for id in &ids[..6] {
+            writer.dispatch(record(*id));
+        }
+        assert_eq!(writer.inflight_records.len(), 6, "sent to the producer");
+        shared.broker_down.store(true, Ordering::Relaxed);
+        for id in &ids[6..] {
+            writer.dispatch(record(*id));
+        }
+        let (spilled, _) = shared.lock_spill().peek(100).unwrap();
+        let spilled: Vec<Uuid> = spilled.iter().map(|r| r.id).collect();
+        assert_eq!(spilled, ids, "the spill keeps submission order");
+        // The tick's copy afterwards adds nothing twice.
+        writer.spill_inflight();
+        assert_eq!(shared.lock_spill().pending_records(), 10);
     }
 }
