@@ -14,8 +14,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use hindsight_feedback::{
-    Behaviour, EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget,
-    FeedbackValue, EPISODE_SCHEMA,
+    Behaviour, EpisodeContext, EpisodeRecord, FeedbackRecord, FeedbackTarget, FeedbackValue,
 };
 use hindsight_learner::example::{build_example, ExampleConfig, TrainExample};
 use hindsight_learner::trainer::{
@@ -73,31 +72,21 @@ async fn logged_turn(endpoint: &str, ticket: &str, up: bool) -> EpisodeRecord {
             .map(|c| c["logprob"].as_f64().unwrap() as f32)
             .collect(),
     };
+    let context = EpisodeContext {
+        messages,
+        model: Some("base".into()),
+        response_format: Some(body["response_format"].clone()),
+        temperature: Some(0.7),
+        ..Default::default()
+    };
+    let feedback = vec![FeedbackRecord::new(
+        FeedbackTarget::Episode("e".into()),
+        FeedbackValue::Thumbs(up),
+        0,
+    )];
     EpisodeRecord {
-        schema: EPISODE_SCHEMA.into(),
-        record_id: uuid::Uuid::now_v7(),
-        episode_id: "e".into(),
-        episode_source: EpisodeSource::Header,
-        turn: uuid::Uuid::now_v7(),
-        route: "default".into(),
-        context: EpisodeContext {
-            messages,
-            model: Some("base".into()),
-            response_format: Some(body["response_format"].clone()),
-            temperature: Some(0.7),
-            ..Default::default()
-        },
-        answer: Some(choice["message"].clone()),
         behaviour: Some(behaviour),
-        adapter: None,
-        feedback: vec![FeedbackRecord::new(
-            FeedbackTarget::Episode("e".into()),
-            FeedbackValue::Thumbs(up),
-            0,
-        )],
-        interaction_time_ms: 0,
-        feedback_time_ms: 0,
-        emitted_at_ms: 0,
+        ..EpisodeRecord::turn("e", context, Some(choice["message"].clone()), feedback)
     }
 }
 

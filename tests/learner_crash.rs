@@ -24,8 +24,7 @@ use std::time::{Duration, Instant};
 
 use hindsight_feedback::{
     ensure_topics, now_ms, Correction, EpisodeContext, EpisodeRecord, EpisodeSource,
-    FeedbackRecord, FeedbackTarget, FeedbackValue, LogConfig, Topic, EPISODE_SCHEMA,
-    FEEDBACK_SCHEMA,
+    FeedbackRecord, FeedbackTarget, FeedbackValue, LogConfig, Topic,
 };
 use hindsight_learner::checkpoint::LoopState;
 use rdkafka::consumer::{BaseConsumer, Consumer};
@@ -118,39 +117,25 @@ fn episode(i: usize, answered: bool) -> EpisodeRecord {
     let turn = Uuid::now_v7();
     let t = now_ms();
     let correction = FeedbackRecord {
-        schema: FEEDBACK_SCHEMA.into(),
-        feedback_id: Uuid::now_v7(),
-        target: FeedbackTarget::Interaction(turn),
-        value: FeedbackValue::Correction(Correction::Text(format!("{capital}."))),
-        metric: None,
         source: Some("crash-test".into()),
-        rater: None,
-        tags: vec![],
-        retracts: None,
-        event_time_ms: t,
+        ..FeedbackRecord::new(
+            FeedbackTarget::Interaction(turn),
+            FeedbackValue::Correction(Correction::Text(format!("{capital}."))),
+            t,
+        )
     };
+    let context = EpisodeContext {
+        messages: json!([{"role": "user", "content": format!("Capital of {country}? ({i})")}]),
+        ..Default::default()
+    };
+    let answer = answered.then(|| json!({"role": "assistant", "content": format!("{capital}.")}));
     EpisodeRecord {
-        schema: EPISODE_SCHEMA.into(),
-        record_id: Uuid::now_v7(),
-        episode_id: format!("ep-{i}"),
         episode_source: EpisodeSource::New,
         turn,
-        route: "default".into(),
-        context: EpisodeContext {
-            messages: json!([{"role": "user", "content": format!("Capital of {country}? ({i})")}]),
-            tools: None,
-            tool_choice: None,
-            model: None,
-            response_format: None,
-            ..Default::default()
-        },
-        answer: answered.then(|| json!({"role": "assistant", "content": format!("{capital}.")})),
-        behaviour: None,
-        adapter: None,
-        feedback: vec![correction],
         interaction_time_ms: t,
         feedback_time_ms: t,
         emitted_at_ms: t,
+        ..EpisodeRecord::turn(format!("ep-{i}"), context, answer, vec![correction])
     }
 }
 

@@ -24,8 +24,7 @@ use std::sync::Arc;
 use anyhow::{anyhow, Context};
 use hindsight_bench::learning::{single_turn, BenchFile};
 use hindsight_feedback::{
-    Behaviour, EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget,
-    FeedbackValue, EPISODE_SCHEMA, FEEDBACK_SCHEMA,
+    Behaviour, EpisodeContext, EpisodeRecord, FeedbackRecord, FeedbackTarget, FeedbackValue,
 };
 use hindsight_learner::example::build_example;
 use hindsight_learner::objectives::{distill_loss, kl_exact, token_logprobs, Divergence};
@@ -37,7 +36,6 @@ use hindsight_model::{decode, encode, AdapterSelection, BatchLayout, KvCache, Mo
 use hindsight_sim::{messages, react, resolve, response_format, Rng, Split, UserConfig, World};
 use serde::Serialize;
 use serde_json::{json, Value};
-use uuid::Uuid;
 
 const KS: [usize; 6] = [8, 16, 32, 64, 128, 256];
 const GAPS: [f64; 4] = [0.5, 1.0, 2.0, 4.0];
@@ -119,49 +117,25 @@ fn episode(
     lps: Vec<f32>,
     comment: &str,
 ) -> EpisodeRecord {
-    let fb = |value| FeedbackRecord {
-        schema: FEEDBACK_SCHEMA.into(),
-        feedback_id: Uuid::now_v7(),
-        target: FeedbackTarget::Episode("probe".into()),
-        value,
-        metric: None,
-        source: None,
-        rater: None,
-        tags: vec![],
-        retracts: None,
-        event_time_ms: 0,
-    };
+    let fb = |value| FeedbackRecord::new(FeedbackTarget::Episode("probe".into()), value, 0);
     let context = EpisodeContext {
         messages: Value::Array(msgs.to_vec()),
-        tools: None,
-        tool_choice: None,
-        model: None,
         response_format: Some(response_format()),
         ..Default::default()
     };
+    let feedback = vec![
+        fb(FeedbackValue::Thumbs(false)),
+        fb(FeedbackValue::Comment(comment.into())),
+    ];
+    let answer = json!({"role": "assistant", "content": answer});
     EpisodeRecord {
-        schema: EPISODE_SCHEMA.into(),
-        record_id: Uuid::now_v7(),
-        episode_id: "probe".into(),
-        episode_source: EpisodeSource::Header,
-        turn: Uuid::now_v7(),
-        route: "default".into(),
-        context,
-        answer: Some(json!({"role": "assistant", "content": answer})),
         // The token texts are only for display; the example reads the ids.
         behaviour: Some(Behaviour {
             tokens: vec![],
             token_ids: Some(ids),
             logprobs: lps,
         }),
-        adapter: None,
-        feedback: vec![
-            fb(FeedbackValue::Thumbs(false)),
-            fb(FeedbackValue::Comment(comment.into())),
-        ],
-        interaction_time_ms: 0,
-        feedback_time_ms: 0,
-        emitted_at_ms: 0,
+        ..EpisodeRecord::turn("probe", context, Some(answer), feedback)
     }
 }
 

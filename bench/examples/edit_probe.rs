@@ -35,8 +35,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use hindsight_feedback::{
-    EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget, FeedbackValue,
-    EPISODE_SCHEMA, FEEDBACK_SCHEMA,
+    EpisodeContext, EpisodeRecord, FeedbackRecord, FeedbackTarget, FeedbackValue,
 };
 use hindsight_learner::example::{build_example, ExampleConfig, TrainExample};
 use hindsight_learner::trainer::{
@@ -50,7 +49,6 @@ use hindsight_sim::{
     DEPARTMENTS, PRIORITIES, REFUNDS,
 };
 use serde_json::{json, Value};
-use uuid::Uuid;
 
 /// One way of building the edit.
 struct EditVariant {
@@ -72,40 +70,18 @@ struct Seen {
 }
 
 fn episode(msgs: &[Value], answer: &str, fb: &str) -> EpisodeRecord {
-    EpisodeRecord {
-        schema: EPISODE_SCHEMA.into(),
-        record_id: Uuid::now_v7(),
-        episode_id: "probe".into(),
-        episode_source: EpisodeSource::Header,
-        turn: Uuid::now_v7(),
-        route: "default".into(),
-        context: EpisodeContext {
-            messages: Value::Array(msgs.to_vec()),
-            tools: None,
-            tool_choice: None,
-            model: None,
-            response_format: Some(response_format()),
-            ..Default::default()
-        },
-        answer: Some(json!({"role": "assistant", "content": answer})),
-        behaviour: None,
-        adapter: None,
-        feedback: vec![FeedbackRecord {
-            schema: FEEDBACK_SCHEMA.into(),
-            feedback_id: Uuid::now_v7(),
-            target: FeedbackTarget::Episode("probe".into()),
-            value: FeedbackValue::Comment(fb.into()),
-            metric: None,
-            source: None,
-            rater: None,
-            tags: vec![],
-            retracts: None,
-            event_time_ms: 0,
-        }],
-        interaction_time_ms: 0,
-        feedback_time_ms: 0,
-        emitted_at_ms: 0,
-    }
+    let context = EpisodeContext {
+        messages: Value::Array(msgs.to_vec()),
+        response_format: Some(response_format()),
+        ..Default::default()
+    };
+    let feedback = FeedbackRecord::new(
+        FeedbackTarget::Episode("probe".into()),
+        FeedbackValue::Comment(fb.into()),
+        0,
+    );
+    let answer = json!({"role": "assistant", "content": answer});
+    EpisodeRecord::turn("probe", context, Some(answer), vec![feedback])
 }
 
 /// The JSON value of `field` in `text` as a plain string, if `text` is an object with it.

@@ -311,6 +311,35 @@ pub struct EpisodeRecord {
     pub emitted_at_ms: i64,
 }
 
+impl EpisodeRecord {
+    /// A joined turn of episode `episode_id` on route `default` (episode id from a header) with
+    /// fresh UUIDv7 record and turn ids, event times 0 and no behaviour or adapter: what tests,
+    /// probes and benches build by hand (set the other fields after, where they apply).
+    pub fn turn(
+        episode_id: impl Into<String>,
+        context: EpisodeContext,
+        answer: Option<serde_json::Value>,
+        feedback: Vec<FeedbackEvent>,
+    ) -> Self {
+        Self {
+            schema: EPISODE_SCHEMA.into(),
+            record_id: Uuid::now_v7(),
+            episode_id: episode_id.into(),
+            episode_source: EpisodeSource::Header,
+            turn: Uuid::now_v7(),
+            route: "default".into(),
+            context,
+            answer,
+            behaviour: None,
+            adapter: None,
+            feedback,
+            interaction_time_ms: 0,
+            feedback_time_ms: 0,
+            emitted_at_ms: 0,
+        }
+    }
+}
+
 /// The context half of an episode turn.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct EpisodeContext {

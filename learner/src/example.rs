@@ -442,8 +442,7 @@ pub fn build_example(
 mod tests {
     use super::*;
     use hindsight_feedback::{
-        Behaviour, EpisodeContext, EpisodeSource, FeedbackRecord, FeedbackTarget, EPISODE_SCHEMA,
-        FEEDBACK_SCHEMA,
+        Behaviour, EpisodeContext, FeedbackRecord, FeedbackTarget, FEEDBACK_SCHEMA,
     };
     use tokenizers::models::wordlevel::WordLevel;
     use tokenizers::pre_tokenizers::whitespace::Whitespace;
@@ -507,28 +506,15 @@ mod tests {
     }
 
     fn record(feedback: Vec<FeedbackRecord>, behaviour: Option<Behaviour>) -> EpisodeRecord {
+        let context = EpisodeContext {
+            messages: serde_json::json!([{"role": "user", "content": "hello"}]),
+            ..Default::default()
+        };
+        let answer = serde_json::json!({"role": "assistant", "content": "hi"});
         EpisodeRecord {
-            schema: EPISODE_SCHEMA.into(),
-            record_id: Uuid::now_v7(),
-            episode_id: "e".into(),
-            episode_source: EpisodeSource::Header,
-            turn: Uuid::now_v7(),
-            route: "default".into(),
-            context: EpisodeContext {
-                messages: serde_json::json!([{"role": "user", "content": "hello"}]),
-                tools: None,
-                tool_choice: None,
-                model: None,
-                response_format: None,
-                ..Default::default()
-            },
-            answer: Some(serde_json::json!({"role": "assistant", "content": "hi"})),
             behaviour,
             adapter: Some("support@3".into()),
-            feedback,
-            interaction_time_ms: 0,
-            feedback_time_ms: 0,
-            emitted_at_ms: 0,
+            ..EpisodeRecord::turn("e", context, Some(answer), feedback)
         }
     }
 

@@ -11,8 +11,7 @@ use serde_json::json;
 #[test]
 fn the_learner_sees_the_prompt_serve_built() {
     use hindsight_feedback::{
-        EpisodeContext, EpisodeRecord, EpisodeSource, FeedbackRecord, FeedbackTarget,
-        FeedbackValue, EPISODE_SCHEMA,
+        EpisodeContext, EpisodeRecord, FeedbackRecord, FeedbackTarget, FeedbackValue,
     };
     use hindsight_learner::example::{build_example, ExampleConfig};
     use hindsight_model::{candle_core, default_model_path, encode, ModelBundle};
@@ -55,33 +54,22 @@ fn the_learner_sees_the_prompt_serve_built() {
         assert!(served.contains("<tool_response>"), "{served}");
 
         // The same request as the joiner logs it, with a comment to learn from.
-        let rec = EpisodeRecord {
-            schema: EPISODE_SCHEMA.into(),
-            record_id: uuid::Uuid::now_v7(),
-            episode_id: "e".into(),
-            episode_source: EpisodeSource::Header,
-            turn: uuid::Uuid::now_v7(),
-            route: "default".into(),
-            context: EpisodeContext {
+        let rec = EpisodeRecord::turn(
+            "e",
+            EpisodeContext {
                 messages: request["messages"].clone(),
                 tools: Some(request["tools"].clone()),
                 tool_choice: tool_choice.clone(),
                 model: Some("base".into()),
-                response_format: None,
                 ..Default::default()
             },
-            answer: Some(json!({"role": "assistant", "content": "It was delivered."})),
-            behaviour: None,
-            adapter: None,
-            feedback: vec![FeedbackRecord::new(
+            Some(json!({"role": "assistant", "content": "It was delivered."})),
+            vec![FeedbackRecord::new(
                 FeedbackTarget::Episode("e".into()),
                 FeedbackValue::Comment("Give the delivery date too.".into()),
                 0,
             )],
-            interaction_time_ms: 0,
-            feedback_time_ms: 0,
-            emitted_at_ms: 0,
-        };
+        );
         let ex = build_example(
             &rec,
             &bundle.tokenizer,
