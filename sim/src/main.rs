@@ -124,8 +124,9 @@ struct RunArgs {
     /// Delay between an answer and its feedback, ms.
     #[arg(long, default_value_t = 1000)]
     feedback_delay_ms: u64,
-    /// Send all feedback after the run's answers, in episode order (reproducible training
-    /// order downstream) instead of each `feedback_delay_ms` after its answer.
+    /// Send feedback in episode order, each episode's once it and every earlier one are
+    /// answered (reproducible training order downstream), instead of each
+    /// `feedback_delay_ms` after its answer.
     #[arg(long)]
     feedback_in_order: bool,
     /// Share of deliberately wrong feedback.

@@ -30,11 +30,12 @@ pub struct FeedbackConfig {
     pub secret: Option<String>,
     /// Delay between the answer and its feedback, in milliseconds.
     pub delay_ms: u64,
-    /// Send the feedback only once every answer of the run is in, one episode after another in
-    /// episode order (`delay_ms` is then unused). With several episodes in flight, feedback
-    /// otherwise arrives in the order the answers finish, which follows the server's timing; in
-    /// order, the joined episodes (one partition) and so a learner's training order are the same
-    /// on every run of a seed.
+    /// Send the feedback in episode order: an episode's as soon as it and every earlier episode
+    /// of the run are answered (`delay_ms` is then unused). With several episodes in flight,
+    /// feedback otherwise arrives in the order the answers finish, which follows the server's
+    /// timing; in order, the joined episodes (one partition) and so a learner's training order
+    /// are the same on every run of a seed, and a learner still trains while later episodes are
+    /// being answered.
     pub in_episode_order: bool,
 }
 
@@ -215,8 +216,9 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
     let mut interval = tokio::time::interval(Duration::from_secs_f64(1.0 / cfg.rate_per_s));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tasks = JoinSet::new();
-    // Feedback after all answers, in episode order, rather than from each episode's task.
+    // Feedback in episode order, from here rather than from each episode's task.
     let in_order = cfg.feedback.as_ref().is_some_and(|f| f.in_episode_order);
+    let mut order = InOrder::new(cfg.first_episode);
     let mut indices = world
         .ticket_indices(Split::Train)
         .skip(cfg.first_episode as usize);
@@ -228,31 +230,31 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
             .acquire_owned()
             .await
             .map_err(|e| EnvError::Config(e.to_string()))?;
-        let (cfg, client, sender) = (cfg.clone(), client.clone(), sender.clone());
+        let (task_cfg, client, task_sender) = (cfg.clone(), client.clone(), sender.clone());
         tasks.spawn(async move {
+            let cfg = task_cfg;
             let mut outcome = run_episode(&cfg, &client, world, episode, index).await;
             drop(permit);
-            if let (Some(sender), Some(fb), false) = (&sender, &cfg.feedback, in_order) {
+            if let (Some(sender), Some(fb), false) = (&task_sender, &cfg.feedback, in_order) {
                 tokio::time::sleep(Duration::from_millis(fb.delay_ms)).await;
                 send_feedback(sender, &world, index, &mut outcome).await;
             }
             (outcome, index)
         });
+        while let Some(joined) = tasks.try_join_next() {
+            order.take(joined)?;
+        }
+        if let (Some(sender), true) = (&sender, in_order) {
+            order.send_ready(sender, &world).await;
+        }
     }
-    let mut done = Vec::new();
     while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok(o) => done.push(o),
-            Err(e) => return Err(EnvError::Http(format!("episode task failed: {e}"))),
+        order.take(joined)?;
+        if let (Some(sender), true) = (&sender, in_order) {
+            order.send_ready(sender, &world).await;
         }
     }
-    done.sort_by_key(|(o, _)| o.episode);
-    if let (Some(sender), true) = (&sender, in_order) {
-        for (outcome, index) in &mut done {
-            send_feedback(sender, &world, *index, outcome).await;
-        }
-    }
-    let outcomes: Vec<EpisodeOutcome> = done.into_iter().map(|(o, _)| o).collect();
+    let outcomes = order.into_outcomes();
     let failed = outcomes.iter().filter(|o| o.error.is_some()).count() as u64;
     if failed > 0 && failed == outcomes.len() as u64 {
         let first = outcomes
@@ -282,6 +284,47 @@ pub async fn run_env(cfg: EnvRunConfig) -> Result<EnvRunSummary, EnvError> {
         duration_ms: started.elapsed().as_millis() as u64,
         outcomes,
     })
+}
+
+/// Finished episodes in episode order: `send_ready` sends the feedback of the answered prefix
+/// (every episode up to the first one still in flight), so feedback goes out in episode order
+/// while later episodes are still being answered.
+struct InOrder {
+    /// The first episode whose feedback is not sent yet.
+    next: u64,
+    /// Finished episodes by number, with their ticket index.
+    done: std::collections::BTreeMap<u64, (EpisodeOutcome, u64)>,
+}
+
+impl InOrder {
+    fn new(first: u64) -> Self {
+        Self {
+            next: first,
+            done: Default::default(),
+        }
+    }
+
+    fn take(
+        &mut self,
+        joined: Result<(EpisodeOutcome, u64), tokio::task::JoinError>,
+    ) -> Result<(), EnvError> {
+        let (outcome, index) =
+            joined.map_err(|e| EnvError::Http(format!("episode task failed: {e}")))?;
+        self.done.insert(outcome.episode, (outcome, index));
+        Ok(())
+    }
+
+    async fn send_ready(&mut self, sender: &FeedbackSender, world: &World) {
+        while let Some((outcome, index)) = self.done.get_mut(&self.next) {
+            send_feedback(sender, world, *index, outcome).await;
+            self.next += 1;
+        }
+    }
+
+    /// Every outcome, in episode order.
+    fn into_outcomes(self) -> Vec<EpisodeOutcome> {
+        self.done.into_values().map(|(o, _)| o).collect()
+    }
 }
 
 /// Sends the simulated user's reaction (if any) to the episode's last answer, or to the

@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -26,6 +27,8 @@ const SECRET: &str = "test-secret";
 #[derive(Default)]
 struct Agent {
     calls: AtomicUsize,
+    /// When each chat request arrived.
+    call_times: Mutex<Vec<Instant>>,
     episodes: Mutex<Vec<String>>,
     /// Answer episode `n` of `<run>-<n>` after (10 - n) x 50 ms, so the first episodes finish
     /// last (as a server's timing may make them).
@@ -54,6 +57,7 @@ async fn agent_chat(
     Json(body): Json<Value>,
 ) -> Response {
     let n = agent.calls.fetch_add(1, Ordering::SeqCst);
+    agent.call_times.lock().unwrap().push(Instant::now());
     if let Some(ep) = headers
         .get("x-hindsight-episode")
         .and_then(|v| v.to_str().ok())
@@ -134,6 +138,8 @@ async fn agent_chat(
 struct Webhook {
     batches: Mutex<Vec<Value>>,
     keys: Mutex<Vec<String>>,
+    /// When each accepted batch arrived.
+    key_times: Mutex<Vec<Instant>>,
     bad_signatures: AtomicUsize,
 }
 
@@ -156,6 +162,7 @@ async fn feedback_batch(
         .lock()
         .unwrap()
         .push(headers["idempotency-key"].to_str().unwrap().to_string());
+    hook.key_times.lock().unwrap().push(Instant::now());
     let v: Value = serde_json::from_slice(&body).unwrap();
     let n = v["events"].as_array().unwrap().len();
     hook.batches.lock().unwrap().push(v);
@@ -284,6 +291,28 @@ async fn feedback_in_episode_order_follows_the_episodes_not_the_answers() {
     let as_answered = sent_order(false).await;
     assert_eq!(as_answered.len(), 10);
     assert_ne!(as_answered, in_order, "{as_answered:?}");
+}
+
+#[tokio::test]
+async fn feedback_in_episode_order_goes_out_while_later_episodes_run() {
+    // One episode at a time: episode 0's feedback must not wait for the run's last answer, so
+    // a learner trains while the traffic goes on.
+    let (agent, hook) = (Arc::new(Agent::default()), Arc::new(Webhook::default()));
+    let base = spawn(agent.clone(), hook.clone()).await;
+    let mut cfg = run_config(&base, Variant::Single, 0.0);
+    cfg.episodes = 6;
+    cfg.concurrency = 1;
+    if let Some(f) = cfg.feedback.as_mut() {
+        f.in_episode_order = true;
+    }
+    let summary = run_env(cfg).await.unwrap();
+    assert_eq!(summary.feedback_failures, 0);
+    let first_feedback = hook.key_times.lock().unwrap()[0];
+    let last_call = *agent.call_times.lock().unwrap().last().unwrap();
+    assert!(
+        first_feedback < last_call,
+        "the first feedback waited for the last episode's request"
+    );
 }
 
 #[tokio::test]
