@@ -248,6 +248,57 @@ impl ChatTemplate {
         messages: &[serde_json::Value],
         tools: &[serde_json::Value],
     ) -> std::result::Result<String, ChatInputError> {
+        self.render_chat_with(messages, tools, true)
+    }
+
+    /// Like [`ChatTemplate::render_chat`], but the last message is an assistant message the
+    /// prompt *continues* (vLLM's `continue_final_message`): rendered without a generation
+    /// prompt and cut right after that message's text, so its tokens are the start of the
+    /// answer (what a scorer of a given answer's log-probs needs).
+    pub fn render_chat_continuing(
+        &self,
+        messages: &[serde_json::Value],
+        tools: &[serde_json::Value],
+    ) -> std::result::Result<String, ChatInputError> {
+        let last = messages.len().saturating_sub(1);
+        let final_text = match messages.last() {
+            Some(m) if m.get("role").and_then(serde_json::Value::as_str) == Some("assistant") => {
+                content_text(m.get("content").unwrap_or(&serde_json::Value::Null), last)?
+            }
+            _ => {
+                return Err(invalid(
+                    format!("messages[{last}].role"),
+                    "continuing the final message needs an assistant message last",
+                ))
+            }
+        };
+        // The template may trim the text; cut after its last occurrence, as vLLM does.
+        let final_text = final_text.trim();
+        if final_text.is_empty() {
+            return Err(invalid(
+                format!("messages[{last}].content"),
+                "the message to continue has no text",
+            ));
+        }
+        let text = self.render_chat_with(messages, tools, false)?;
+        let end = text
+            .rfind(final_text)
+            .map(|i| i + final_text.len())
+            .ok_or_else(|| {
+                invalid(
+                    format!("messages[{last}].content"),
+                    "the chat template does not render the final message's text verbatim",
+                )
+            })?;
+        Ok(text[..end].to_string())
+    }
+
+    fn render_chat_with(
+        &self,
+        messages: &[serde_json::Value],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> std::result::Result<String, ChatInputError> {
         use serde_json::{json, Value as J};
         let native_tools = self.native_tools();
         let mut out = Vec::with_capacity(messages.len() + 1);
@@ -311,7 +362,7 @@ impl ChatTemplate {
             } else {
                 None
             },
-            true,
+            add_generation_prompt,
         )?)
     }
 }
@@ -409,5 +460,34 @@ mod tests {
             )
             .unwrap_err();
         assert!(err.to_string().starts_with("messages[0].content:"), "{err}");
+    }
+
+    #[test]
+    fn continuing_the_final_message_extends_the_generation_prompt_with_its_text() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}</{{ m['role'] }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}",
+            "<s>",
+            "</s>",
+        )
+        .unwrap();
+        let asked = vec![json!({"role": "user", "content": "Capital of France?"})];
+        let mut answered = asked.clone();
+        answered.push(json!({"role": "assistant", "content": "Paris. "}));
+        let prompt = t.render_chat(&asked, &[]).unwrap();
+        let continued = t.render_chat_continuing(&answered, &[]).unwrap();
+        assert_eq!(continued, format!("{prompt}Paris."));
+        for (messages, field) in [
+            (asked.clone(), "messages[0].role"),
+            (
+                vec![
+                    asked[0].clone(),
+                    json!({"role": "assistant", "content": " "}),
+                ],
+                "messages[1].content",
+            ),
+        ] {
+            let err = t.render_chat_continuing(&messages, &[]).unwrap_err();
+            assert!(err.to_string().starts_with(field), "{err}");
+        }
     }
 }

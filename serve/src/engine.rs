@@ -16,6 +16,7 @@ use hindsight_model::{AdapterSelection, BatchLayout, KvCache, Model, PaddingSide
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
 
 use crate::adapters::AdapterVersion;
 use crate::error::ServeError;
@@ -94,7 +95,30 @@ pub struct Job {
     pub params: JobParams,
     /// Where to report.
     pub events: UnboundedSender<Event>,
+    /// Score the prompt (vLLM's `prompt_logprobs`): the log-prob of every prompt token after
+    /// the first under the model, with this many alternatives each, sent here after prefill.
+    pub prompt_logprobs: Option<(usize, oneshot::Sender<Vec<PromptToken>>)>,
 }
+
+/// One scored prompt token: its log-prob given the tokens before it (the model's own
+/// distribution, temperature 1), its rank in that distribution (1 = most likely) and the most
+/// likely alternatives, best first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptToken {
+    /// The prompt's token.
+    pub id: u32,
+    /// Its log-prob (natural log).
+    pub logprob: f32,
+    /// 1 + the number of tokens more likely than it.
+    pub rank: usize,
+    /// `(id, logprob)` of the most likely tokens at this position.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Prompt positions whose logits are materialised at once while scoring (64 × the vocabulary
+/// in f32: ~12 MB for SmolLM2's 49k tokens), so a long prompt does not hold its whole
+/// `[len, vocab]` matrix.
+const SCORE_CHUNK: usize = 64;
 
 /// Worker limits.
 #[derive(Debug, Clone)]
@@ -265,7 +289,7 @@ fn selection<'a>(adapters: &'a [Option<Arc<AdapterVersion>>]) -> AdapterSelectio
     )
 }
 
-fn prefill(ctx: &Ctx, jobs: Vec<Job>) -> Result<Group, ServeError> {
+fn prefill(ctx: &Ctx, mut jobs: Vec<Job>) -> Result<Group, ServeError> {
     let mut rows = Vec::new();
     let mut adapters = Vec::new();
     let mut prompts: Vec<&[u32]> = Vec::new();
@@ -304,13 +328,39 @@ fn prefill(ctx: &Ctx, jobs: Vec<Job>) -> Result<Group, ServeError> {
         adapters,
         cache: KvCache::new(),
     };
-    let logits = ctx.model.forward_last(
+    let hidden = ctx.model.hidden(
         &input,
         &layout,
         Some(&mut group.cache),
         &selection(&group.adapters),
+        false,
     );
-    match logits {
+    let last = hidden.and_then(|h| {
+        // Prompts asking to be scored: all their positions through the LM head; the first
+        // row of each job (its choices share the prompt).
+        let mut row = 0;
+        for job in &mut jobs {
+            if let Some((top, tx)) = job.prompt_logprobs.take() {
+                let len = job.prompt.len();
+                let scored = h
+                    .narrow(0, row, 1)
+                    .and_then(|r| r.squeeze(0))
+                    .map_err(hindsight_model::ModelError::from)
+                    .and_then(|r| {
+                        score_prompt(&ctx.model, &r.narrow(0, t - len, len)?, &job.prompt, top)
+                    });
+                match scored {
+                    Ok(tokens) => {
+                        let _ = tx.send(tokens);
+                    }
+                    Err(e) => tracing::error!(error = %e, "Scoring a prompt failed."),
+                }
+            }
+            row += job.params.n;
+        }
+        ctx.model.logits(&h.narrow(1, t - 1, 1)?.squeeze(1)?)
+    });
+    match last {
         Ok(l) => sample_rows(ctx, &mut group, &l)?,
         Err(e) => {
             for r in &mut group.rows {
@@ -320,6 +370,65 @@ fn prefill(ctx: &Ctx, jobs: Vec<Job>) -> Result<Group, ServeError> {
         }
     }
     Ok(group)
+}
+
+/// The log-prob, rank and `top` alternatives of every prompt token after the first, from the
+/// prompt's hidden states `[len, hidden]`.
+fn score_prompt(
+    model: &Model,
+    hidden: &Tensor,
+    prompt: &[u32],
+    top: usize,
+) -> Result<Vec<PromptToken>, hindsight_model::ModelError> {
+    let len = prompt.len();
+    let mut out = Vec::with_capacity(len.saturating_sub(1));
+    // Position i predicts token i + 1; the last position predicts what comes after the prompt.
+    let mut start = 0;
+    while start + 1 < len {
+        let n = SCORE_CHUNK.min(len - 1 - start);
+        let logits: Vec<Vec<f32>> = model
+            .logits(&hidden.narrow(0, start, n)?)?
+            .to_dtype(DType::F32)?
+            .to_vec2()?;
+        for (i, l) in logits.iter().enumerate() {
+            let id = prompt[start + i + 1];
+            out.push(score_token(l, id, top));
+        }
+        start += n;
+    }
+    Ok(out)
+}
+
+/// `id`'s log-prob and rank under `logits`, with the `top` most likely alternatives.
+fn score_token(logits: &[f32], id: u32, top: usize) -> PromptToken {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max
+        + logits
+            .iter()
+            .map(|&x| f64::from(x - max).exp())
+            .sum::<f64>()
+            .ln() as f32;
+    let own = logits
+        .get(id as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    let rank = 1 + logits.iter().filter(|&&x| x > own).count();
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (j, &x) in logits.iter().enumerate() {
+            if best.len() < top || best.last().is_some_and(|b| x > b.1) {
+                let at = best.partition_point(|b| b.1 >= x);
+                best.insert(at, (j as u32, x));
+                best.truncate(top);
+            }
+        }
+    }
+    PromptToken {
+        id,
+        logprob: own - lse,
+        rank,
+        top: best.into_iter().map(|(j, x)| (j, x - lse)).collect(),
+    }
 }
 
 fn decode_step(ctx: &Ctx, g: &mut Group) -> Result<(), ServeError> {
@@ -434,5 +543,24 @@ fn step_row(ctx: &Ctx, row: &mut Row, logits: &[f32]) {
         finish(row, FinishReason::Stop);
     } else if row.generated.len() >= p.max_tokens {
         finish(row, FinishReason::Length);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scored_token_has_its_log_softmax_rank_and_the_best_alternatives() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let lse = logits.iter().map(|&x| f64::from(x).exp()).sum::<f64>().ln() as f32;
+        let t = score_token(&logits, 2, 3);
+        assert!((t.logprob - (2.0 - lse)).abs() < 1e-6, "{t:?}");
+        assert_eq!(t.rank, 3, "two tokens are more likely");
+        let ids: Vec<u32> = t.top.iter().map(|a| a.0).collect();
+        assert_eq!(ids, [1, 3, 2], "best first; ties keep vocabulary order");
+        assert!((t.top[0].1 - (3.0 - lse)).abs() < 1e-6);
+        assert_eq!(score_token(&logits, 1, 0).rank, 1);
+        assert!(score_token(&logits, 1, 0).top.is_empty());
     }
 }

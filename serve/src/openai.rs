@@ -81,6 +81,17 @@ pub struct RawRequest {
     /// Completions: echo the prompt (unsupported when true).
     #[serde(default)]
     pub echo: Option<bool>,
+    /// vLLM's extension: the log-prob of every prompt token after the first, with this many
+    /// alternatives each (0 = the token's own only), in the response's `prompt_logprobs`.
+    #[serde(default)]
+    pub prompt_logprobs: Option<u64>,
+    /// Chat, vLLM's extension: end the prompt with the assistant's turn opened (default true).
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    /// Chat, vLLM's extension: the last message is an assistant message the answer continues
+    /// (with `prompt_logprobs`, how a given answer is scored).
+    #[serde(default)]
+    pub continue_final_message: Option<bool>,
     /// The whole body with object keys in document order (for schemas).
     #[serde(skip)]
     pub ordered: Option<OJson>,
@@ -109,6 +120,8 @@ pub struct Knobs {
     pub stream: bool,
     /// Final usage chunk in streams.
     pub include_usage: bool,
+    /// Alternatives per scored prompt token (`None`: the prompt is not scored).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Parses a JSON body into a request, as a 400 on failure.
@@ -240,6 +253,22 @@ impl RawRequest {
         if self.echo == Some(true) {
             return Err(ServeError::invalid("echo", "echo is not supported"));
         }
+        let prompt_logprobs = match self.prompt_logprobs {
+            None => None,
+            Some(k) if k as usize > MAX_TOP_LOGPROBS => {
+                return Err(ServeError::invalid(
+                    "prompt_logprobs",
+                    format!("at most {MAX_TOP_LOGPROBS} alternatives per token"),
+                ))
+            }
+            Some(_) if self.stream == Some(true) => {
+                return Err(ServeError::invalid(
+                    "prompt_logprobs",
+                    "prompt_logprobs is not supported with stream",
+                ))
+            }
+            Some(k) => Some(k as usize),
+        };
         let include_usage = self
             .stream_options
             .as_ref()
@@ -257,6 +286,7 @@ impl RawRequest {
             top_logprobs,
             stream: self.stream.unwrap_or(false),
             include_usage,
+            prompt_logprobs,
         })
     }
 }
@@ -419,16 +449,35 @@ pub fn chat_prompt(
         }
     };
     let (mode, tool_grammar, tools) = tool_setup(req)?;
+    let continuing = req.continue_final_message == Some(true);
+    match (continuing, req.add_generation_prompt) {
+        (true, Some(true)) => {
+            return Err(ServeError::invalid(
+                "add_generation_prompt",
+                "add_generation_prompt must be false with continue_final_message",
+            ))
+        }
+        (false, Some(false)) => {
+            return Err(ServeError::invalid(
+                "add_generation_prompt",
+                "add_generation_prompt: false is supported only with continue_final_message",
+            ))
+        }
+        _ => {}
+    }
     // The same renderer the learner uses for logged requests (hindsight_model::ChatTemplate::
     // render_chat), so what is trained on is the prompt that was served.
-    let text = template
-        .render_chat(messages, &tools)
-        .map_err(|e| match e {
-            hindsight_model::ChatInputError::Invalid { field, reason } => {
-                ServeError::invalid(&field, reason)
-            }
-            hindsight_model::ChatInputError::Template(e) => e.into(),
-        })?;
+    let rendered = if continuing {
+        template.render_chat_continuing(messages, &tools)
+    } else {
+        template.render_chat(messages, &tools)
+    };
+    let text = rendered.map_err(|e| match e {
+        hindsight_model::ChatInputError::Invalid { field, reason } => {
+            ServeError::invalid(&field, reason)
+        }
+        hindsight_model::ChatInputError::Template(e) => e.into(),
+    })?;
     let grammar = match tool_grammar {
         Some(g) => Some(g),
         None => response_format_grammar(req)?,
@@ -495,6 +544,32 @@ pub fn parse_tool_calls(text: &str) -> (Option<String>, Vec<Value>) {
     rest.push_str(s);
     let rest = rest.trim().to_string();
     (if rest.is_empty() { None } else { Some(rest) }, calls)
+}
+
+/// vLLM's `prompt_logprobs`: `null` for the first token (nothing precedes it), then per token
+/// an object keyed by token id with `{logprob, rank, decoded_token}` for the prompt's token
+/// and its `k` best alternatives.
+pub fn prompt_logprobs_body(
+    scored: &[crate::engine::PromptToken],
+    token_text: &dyn Fn(u32) -> String,
+) -> Value {
+    let mut out = Vec::with_capacity(scored.len() + 1);
+    out.push(Value::Null);
+    for t in scored {
+        let mut entry = Map::new();
+        for (rank, (id, lp)) in t.top.iter().enumerate() {
+            entry.insert(
+                id.to_string(),
+                json!({"logprob": lp, "rank": rank + 1, "decoded_token": token_text(*id)}),
+            );
+        }
+        entry.insert(
+            t.id.to_string(),
+            json!({"logprob": t.logprob, "rank": t.rank, "decoded_token": token_text(t.id)}),
+        );
+        out.push(Value::Object(entry));
+    }
+    Value::Array(out)
 }
 
 /// What one choice produced.

@@ -1,5 +1,6 @@
 //! The real default model (SmolLM2-135M-Instruct Q4_1): guided JSON with enums always parses,
-//! and the official `openai` Python client works against `run_serve` on a real socket.
+//! the official `openai` Python client works against `run_serve` on a real socket, and a given
+//! answer is scored with the log-probs it was generated with.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -159,4 +160,97 @@ async fn openai_python_client_against_a_real_socket() {
     eprintln!("{stdout}");
     let _ = tx.send(());
     server.await.unwrap().unwrap();
+}
+
+/// Scoring a given answer (vLLM's `continue_final_message` with `prompt_logprobs`, what the eval
+/// gate's log-prob drift check sends): every prompt token after the first is scored, the
+/// answer's tokens get the log-probs they were sampled with at temperature 1, and a greedy
+/// answer is the most likely token at every position.
+#[tokio::test]
+async fn a_given_answer_scores_the_log_probs_it_was_generated_with() {
+    let app = app(real_state());
+    let model = "SmolLM2-135M-Instruct.Q4_1";
+    let question = json!([{"role": "user", "content": "Name three colours of the rainbow."}]);
+    for (temperature, top) in [(1.0, 0), (0.0, 2)] {
+        let r = post(
+            &app,
+            "/v1/chat/completions",
+            json!({"model": model, "messages": question, "temperature": temperature,
+                   "seed": 7, "max_tokens": 12, "logprobs": true}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let v: Value = serde_json::from_str(&r.text).unwrap();
+        let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let sampled: Vec<(String, f64)> = v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e["token_id"].to_string(), e["logprob"].as_f64().unwrap()))
+            .collect();
+        let asked = v["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+        let mut messages = question.as_array().unwrap().clone();
+        messages.push(json!({"role": "assistant", "content": answer}));
+        let r = post(
+            &app,
+            "/v1/chat/completions",
+            json!({"model": model, "messages": messages, "continue_final_message": true,
+                   "add_generation_prompt": false, "prompt_logprobs": top, "max_tokens": 1,
+                   "temperature": 0}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let v: Value = serde_json::from_str(&r.text).unwrap();
+        let scored = v["prompt_logprobs"].as_array().unwrap();
+        assert_eq!(
+            scored.len(),
+            v["usage"]["prompt_tokens"].as_u64().unwrap() as usize
+        );
+        assert!(scored[0].is_null());
+        let answer_entries = &scored[asked..];
+        eprintln!("T={temperature}: {answer:?}, {} tokens", sampled.len());
+        assert_eq!(answer_entries.len(), sampled.len(), "{answer:?}");
+        let mut worst: f64 = 0.0;
+        for (entry, (id, lp)) in answer_entries.iter().zip(&sampled) {
+            let own = &entry[id.as_str()];
+            // The token itself and the `top` best, which may include it.
+            let keys = entry.as_object().unwrap().len();
+            let rank = own["rank"].as_u64().unwrap() as usize;
+            assert!(keys == top + 1 || (keys == top && rank <= top), "{entry}");
+            if temperature == 0.0 {
+                assert_eq!(own["rank"], 1, "a greedy token is the most likely: {entry}");
+            } else {
+                let got = own["logprob"].as_f64().unwrap();
+                worst = worst.max((got - lp).abs());
+                assert!(
+                    (got - lp).abs() < 1e-3,
+                    "scored {got}, sampled with {lp}: {entry}"
+                );
+            }
+        }
+        eprintln!("largest |scored - sampled| log-prob: {worst:.5}");
+    }
+    // Bad combinations name the field.
+    for (body, field) in [
+        (
+            json!({"model": model, "messages": question, "continue_final_message": true}),
+            "messages[0].role",
+        ),
+        (
+            json!({"model": model, "messages": question, "add_generation_prompt": false}),
+            "add_generation_prompt",
+        ),
+        (
+            json!({"model": model, "messages": question, "prompt_logprobs": 21}),
+            "prompt_logprobs",
+        ),
+        (
+            json!({"model": model, "messages": question, "prompt_logprobs": 0, "stream": true}),
+            "prompt_logprobs",
+        ),
+    ] {
+        let r = post(&app, "/v1/chat/completions", body).await;
+        assert_eq!(r.status, 400, "{}", r.text);
+        assert!(r.text.contains(field), "{field}: {}", r.text);
+    }
 }
