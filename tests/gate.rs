@@ -233,6 +233,14 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
     assert!(out.verdict.as_ref().unwrap().accepted(), "{eval:#}");
     assert_eq!(out.entry.status, VersionStatus::Live);
     assert_eq!(adapter_header(&endpoint, NAME).await, "support@1");
+    // A zero-B adapter is the base model: the base's answers score the same under it.
+    let guard = &eval["guard"];
+    let drift = |g: &Value| {
+        g["candidate"]["base_answer_logprob"].as_f64().unwrap()
+            - g["base"]["base_answer_logprob"].as_f64().unwrap()
+    };
+    assert!(guard["drift_items"].as_u64().unwrap() >= 6, "{guard:#}");
+    assert!(drift(guard).abs() < 1e-3, "{guard:#}");
 
     // A candidate with large random B: it wrecks the answers and must be rejected.
     let bad = adapter(&model_cfg, LoraInit::RandomB(1.0), 2);
@@ -258,6 +266,14 @@ async fn worse_candidate_is_rejected_and_never_serves_harmless_one_goes_live() {
         }
         other => panic!("expected a rejection, got {other:?}: {eval:#}"),
     }
+    eprintln!(
+        "wrecked: log-prob drift {:.3} nats/token",
+        drift(&eval["guard"])
+    );
+    assert!(
+        drift(&eval["guard"]) < -GuardConfig::default().max_logprob_drop,
+        "{eval:#}"
+    );
     let stored = reg.get(NAME, 2).await.unwrap().unwrap();
     assert_eq!(stored.status, VersionStatus::Rejected);
     assert_eq!(stored.eval, Some(eval.clone()));
@@ -690,6 +706,10 @@ async fn overtrained_candidate_that_wins_its_task_is_rejected_for_forgetting_and
     );
     assert!(
         reasons.iter().any(|r| r.starts_with("collapse")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.starts_with("drift")),
         "{reasons:?}"
     );
     assert_eq!(out.entry.status, VersionStatus::Rejected);

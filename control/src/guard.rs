@@ -13,12 +13,18 @@
 //!   answer's log-probs are those of a deterministic policy, all 0) below
 //!   `min_entropy_ratio` × the base's;
 //! - **self-similarity**: answers to *different* prompts that look alike (mean pairwise ROUGE-L
-//!   F1) more than `max_self_similarity_rise` above the base's.
+//!   F1) more than `max_self_similarity_rise` above the base's;
+//! - **log-prob drift**: the base model's own greedy answers, scored under each model (vLLM's
+//!   `continue_final_message` + `prompt_logprobs`, which `hindsight serve` implements), losing
+//!   more than `max_logprob_drop` nats per token under the candidate: the candidate has moved
+//!   away from what the base would say even where its own answers still score. A server
+//!   without prompt log-probs leaves this check unmeasured (said in the report), not failed.
 //!
 //! Any of them rejects the candidate, with the reason in the registry.
 
 use std::path::PathBuf;
 
+use futures::stream::{self, StreamExt};
 use hindsight_eval::{evaluate, EvalItem, EvalSet, RunConfig, RunReport};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -60,6 +66,10 @@ pub struct GuardConfig {
     /// `max_tokens` of each entropy probe (sampled at temperature 1, not scored).
     #[serde(default = "default_probe_max_tokens")]
     pub probe_max_tokens: u32,
+    /// Drift: the mean log-prob per token of the base model's greedy capability answers may
+    /// fall at most this many nats under the candidate below their log-prob under the base.
+    #[serde(default = "default_max_logprob_drop")]
+    pub max_logprob_drop: f64,
 }
 
 fn default_enabled() -> bool {
@@ -83,6 +93,9 @@ fn default_max_tokens() -> u32 {
 fn default_probe_max_tokens() -> u32 {
     16
 }
+fn default_max_logprob_drop() -> f64 {
+    1.0
+}
 
 impl Default for GuardConfig {
     fn default() -> Self {
@@ -95,6 +108,7 @@ impl Default for GuardConfig {
             top_logprobs: default_top_logprobs(),
             max_tokens: default_max_tokens(),
             probe_max_tokens: default_probe_max_tokens(),
+            max_logprob_drop: default_max_logprob_drop(),
         }
     }
 }
@@ -114,6 +128,9 @@ impl GuardConfig {
         }
         if !(1..=20).contains(&self.top_logprobs) {
             return bad("top_logprobs must be between 1 and 20");
+        }
+        if !self.max_logprob_drop.is_finite() || self.max_logprob_drop < 0.0 {
+            return bad("max_logprob_drop must be a finite number >= 0");
         }
         if self.max_tokens == 0 || self.probe_max_tokens == 0 {
             return bad("max_tokens and probe_max_tokens must be at least 1");
@@ -152,11 +169,15 @@ pub struct Indicators {
     pub self_similarity: f64,
     /// Mean answer length, words.
     pub mean_words: f64,
+    /// Mean log-prob per token (nats) of the base model's greedy answers under this model,
+    /// over the items both models scored; `None` when the server returned no prompt log-probs.
+    pub base_answer_logprob: Option<f64>,
 }
 
 impl Indicators {
     /// From the greedy capability run and the sampled entropy probe of one model.
-    fn of(run: &RunReport, probe: &RunReport) -> Self {
+    fn of(runs: &Runs, base_answer_logprob: Option<f64>) -> Self {
+        let (run, probe) = (&runs.capability, &runs.probe);
         let answers: Vec<&str> = run
             .items
             .iter()
@@ -173,6 +194,7 @@ impl Indicators {
             entropy: probe.metrics.mean_token_entropy,
             self_similarity: mean_pairwise_rouge_l(&answers),
             mean_words: words as f64 / answers.len().max(1) as f64,
+            base_answer_logprob,
         }
     }
 }
@@ -193,6 +215,9 @@ pub(crate) struct Runs {
     pub capability: RunReport,
     /// Sampled, with token statistics.
     pub probe: RunReport,
+    /// Per capability item, the mean log-prob per token of the base model's greedy answer
+    /// under this model (`None`: not scored).
+    pub base_answer_logprobs: Vec<Option<f64>>,
 }
 
 /// Runs the capability set and the entropy probe on the candidate and the base model, all four
@@ -235,22 +260,187 @@ pub(crate) async fn run(
         evaluate(set, &cp),
         evaluate(set, &bp)
     );
+    let (cc, bc, cp, bp) = (cc?, bc?, cp?, bp?);
+    // The drift probe scores the base's greedy answers, so it follows the runs.
+    let (cd, bd) = score_base_answers(set, &bc, &run_cfg(candidate), &run_cfg(base)).await?;
     Ok((
         Runs {
-            capability: cc?,
-            probe: cp?,
+            capability: cc,
+            probe: cp,
+            base_answer_logprobs: cd,
         },
         Runs {
-            capability: bc?,
-            probe: bp?,
+            capability: bc,
+            probe: bp,
+            base_answer_logprobs: bd,
         },
     ))
 }
 
+/// Per item, the mean log-prob per token of the base model's greedy answer in `base_run`
+/// under `candidate`'s model and under `base`'s (same endpoint).
+async fn score_base_answers(
+    set: &EvalSet,
+    base_run: &RunReport,
+    candidate: &RunConfig,
+    base: &RunConfig,
+) -> Result<(Vec<Option<f64>>, Vec<Option<f64>>), PublishError> {
+    let answers = greedy_answers(base_run);
+    let prompts = prompt_tokens(set, &answers, base).await?;
+    let (c, b) = tokio::join!(
+        answer_logprobs(set, &answers, &prompts, candidate),
+        answer_logprobs(set, &answers, &prompts, base)
+    );
+    Ok((c?, b?))
+}
+
+/// The log-prob drift check on its own: the base model's greedy answers in `base_run` (run
+/// with `keep_content`) scored under `candidate`'s model and `base`'s (same endpoint).
+pub async fn answer_drift(
+    set: &EvalSet,
+    base_run: &RunReport,
+    candidate: &RunConfig,
+    base: &RunConfig,
+) -> Result<Option<Drift>, PublishError> {
+    let (c, b) = score_base_answers(set, base_run, candidate, base).await?;
+    Ok(paired_means(&c, &b).map(|(candidate, base, items)| Drift {
+        candidate,
+        base,
+        items,
+    }))
+}
+
+/// Mean log-prob per token of the base model's answers under each model.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Drift {
+    /// Under the candidate.
+    pub candidate: f64,
+    /// Under the base model.
+    pub base: f64,
+    /// Items both scored.
+    pub items: usize,
+}
+
+impl Drift {
+    /// candidate − base (negative: the candidate finds the base's answers less likely).
+    pub fn change(&self) -> f64 {
+        self.candidate - self.base
+    }
+}
+
+/// Each item's first answer, `None` where empty (nothing to score).
+fn greedy_answers(run: &RunReport) -> Vec<Option<String>> {
+    run.items
+        .iter()
+        .map(|i| {
+            i.samples
+                .first()
+                .and_then(|s| s.content.clone())
+                .filter(|a| !a.trim().is_empty())
+        })
+        .collect()
+}
+
+/// Per item with an answer, the prompt's token count (chat template and generation prompt
+/// included) from a prompt-only request to `base`'s model: where the answer's tokens start in
+/// the scored request (the tokenizer is shared by base and adapters).
+async fn prompt_tokens(
+    set: &EvalSet,
+    answers: &[Option<String>],
+    base: &RunConfig,
+) -> Result<Vec<Option<usize>>, PublishError> {
+    let client = base.client()?;
+    Ok(
+        stream::iter(set.items.iter().zip(answers).map(|(item, answer)| {
+            let client = &client;
+            async move {
+                answer.as_ref()?;
+                let asked = json!({
+                    "model": base.model, "messages": item.messages, "tools": item.tools,
+                    "max_tokens": 1, "temperature": 0,
+                });
+                let body = client.complete(&asked).await.ok()?.body;
+                Some(body["usage"]["prompt_tokens"].as_u64()? as usize)
+            }
+        }))
+        .buffered(base.concurrency.max(1))
+        .collect()
+        .await,
+    )
+}
+
+/// Per item, the mean log-prob per token of `answers[i]` (the base model's greedy answer) under
+/// `scorer`'s model: the chat request with the answer as a final assistant message the prompt
+/// continues, `prompt_logprobs: 0`, the answer's tokens being those after `prompts[i]`. `None`
+/// per item the server could not score (no `prompt_logprobs` in its answer).
+async fn answer_logprobs(
+    set: &EvalSet,
+    answers: &[Option<String>],
+    prompts: &[Option<usize>],
+    scorer: &RunConfig,
+) -> Result<Vec<Option<f64>>, PublishError> {
+    let client = scorer.client()?;
+    let items = set.items.iter().zip(answers).zip(prompts);
+    Ok(stream::iter(items.map(|((item, answer), prompt_tokens)| {
+        let client = &client;
+        async move {
+            let (answer, prompt_tokens) = (answer.as_ref()?, (*prompt_tokens)?);
+            let mut messages = item.messages.clone();
+            messages.push(json!({"role": "assistant", "content": answer}));
+            let continued = json!({
+                "model": scorer.model, "messages": messages, "tools": item.tools,
+                "continue_final_message": true, "add_generation_prompt": false,
+                "prompt_logprobs": 0, "max_tokens": 1, "temperature": 0,
+            });
+            mean_answer_logprob(&client.complete(&continued).await.ok()?.body, prompt_tokens)
+        }
+    }))
+    .buffered(scorer.concurrency.max(1))
+    .collect()
+    .await)
+}
+
+/// The mean log-prob of the prompt tokens after the first `prompt_tokens` in a response's
+/// `prompt_logprobs` (vLLM's shape: `null`, then per token `{"<id>": {"logprob", "rank"}}`
+/// holding the prompt's token, the only one with `prompt_logprobs: 0`).
+fn mean_answer_logprob(body: &Value, prompt_tokens: usize) -> Option<f64> {
+    let entries = body
+        .get("prompt_logprobs")?
+        .as_array()?
+        .get(prompt_tokens..)?;
+    let mut sum = 0.0;
+    for e in entries {
+        let mut own = e.as_object()?.values();
+        let lp = own.next()?.get("logprob")?.as_f64()?;
+        if own.next().is_some() || !lp.is_finite() {
+            return None;
+        }
+        sum += lp;
+    }
+    (!entries.is_empty()).then(|| sum / entries.len() as f64)
+}
+
+/// The mean over the items both models scored (paired).
+fn paired_means(a: &[Option<f64>], b: &[Option<f64>]) -> Option<(f64, f64, usize)> {
+    let pairs: Vec<(f64, f64)> = a
+        .iter()
+        .zip(b)
+        .filter_map(|(x, y)| Some(((*x)?, (*y)?)))
+        .collect();
+    let n = pairs.len();
+    (n > 0).then(|| {
+        let (sa, sb) = pairs
+            .iter()
+            .fold((0.0, 0.0), |(sa, sb), (x, y)| (sa + x, sb + y));
+        (sa / n as f64, sb / n as f64, n)
+    })
+}
+
 /// Compares the candidate's capability run with the base model's.
 pub(crate) fn judge(guard: &GuardConfig, candidate: &Runs, base: &Runs) -> GuardReport {
-    let c = Indicators::of(&candidate.capability, &candidate.probe);
-    let b = Indicators::of(&base.capability, &base.probe);
+    let drift = paired_means(&candidate.base_answer_logprobs, &base.base_answer_logprobs);
+    let c = Indicators::of(candidate, drift.map(|d| d.0));
+    let b = Indicators::of(base, drift.map(|d| d.1));
     let mut reasons = Vec::new();
     if c.exact_match + 1e-9 < b.exact_match - guard.capability_margin {
         reasons.push(format!(
@@ -274,6 +464,15 @@ pub(crate) fn judge(guard: &GuardConfig, candidate: &Runs, base: &Runs) -> Guard
             c.self_similarity, b.self_similarity, guard.max_self_similarity_rise
         ));
     }
+    if let Some((cl, bl, _)) = drift {
+        if cl < bl - guard.max_logprob_drop {
+            reasons.push(format!(
+                "drift: the base model's answers score {cl:.3} nats per token, base {bl:.3} − \
+                 max drop {:.2}",
+                guard.max_logprob_drop
+            ));
+        }
+    }
     let json = json!({
         "set": {
             "name": candidate.capability.set.name,
@@ -288,6 +487,8 @@ pub(crate) fn judge(guard: &GuardConfig, candidate: &Runs, base: &Runs) -> Guard
         "max_self_similarity_rise": guard.max_self_similarity_rise,
         "top_logprobs": guard.top_logprobs,
         "probe_max_tokens": guard.probe_max_tokens,
+        "max_logprob_drop": guard.max_logprob_drop,
+        "drift_items": drift.map_or(0, |d| d.2),
         "reasons": reasons,
     });
     GuardReport { reasons, json }
@@ -374,6 +575,28 @@ mod tests {
         assert_eq!(mean_pairwise_rouge_l(&collapsed), 1.0);
         assert!(mean_pairwise_rouge_l(&varied) < 0.2);
         assert_eq!(mean_pairwise_rouge_l(&["alone"]), 0.0);
+    }
+
+    #[test]
+    fn the_answer_is_what_follows_the_prompt_and_both_models_must_score_an_item() {
+        let body = json!({"prompt_logprobs": [
+            null,
+            {"7": {"logprob": -9.0, "rank": 40}},
+            {"8": {"logprob": -1.0, "rank": 2}},
+            {"9": {"logprob": -0.5, "rank": 1}},
+        ]});
+        assert_eq!(mean_answer_logprob(&body, 2), Some(-0.75));
+        assert_eq!(mean_answer_logprob(&body, 4), None, "no answer tokens");
+        assert_eq!(mean_answer_logprob(&json!({"choices": []}), 2), None);
+        let alternatives = json!({"prompt_logprobs": [null,
+            {"7": {"logprob": -1.0}, "3": {"logprob": -0.1}}]});
+        assert_eq!(mean_answer_logprob(&alternatives, 1), None, "ambiguous");
+        let paired = paired_means(
+            &[Some(-1.0), None, Some(-3.0)],
+            &[Some(-0.5), Some(-9.0), None],
+        );
+        assert_eq!(paired, Some((-1.0, -0.5, 1)));
+        assert_eq!(paired_means(&[None], &[Some(1.0)]), None);
     }
 
     #[test]

@@ -67,6 +67,22 @@ pub struct RunConfig {
 }
 
 impl RunConfig {
+    /// The client a run sends its requests with: endpoint, key, timeout, retries, the extra
+    /// headers and, with `no_log`, the header that keeps a Hindsight proxy from logging them.
+    pub fn client(&self) -> Result<ChatClient, EvalError> {
+        let mut headers = self.headers.clone();
+        if self.no_log {
+            headers.push((hindsight_core::headers::NO_LOG.into(), "true".into()));
+        }
+        ChatClient::new(
+            &self.endpoint,
+            self.api_key.as_deref(),
+            self.request_timeout_ms,
+            self.max_retries,
+            &headers,
+        )
+    }
+
     /// Defaults: 1 greedy sample (temperature 0, seed 0), pass@1, 4 in flight, 5 retries,
     /// 120 s timeout, 4 tool rounds, no-log on, progress bar on.
     pub fn new(endpoint: impl Into<String>, model: impl Into<String>) -> Self {
@@ -267,17 +283,7 @@ pub async fn evaluate(set: &EvalSet, cfg: &RunConfig) -> Result<RunReport, EvalE
     if set.items.is_empty() {
         return Err(EvalError::EmptySet);
     }
-    let mut headers = cfg.headers.clone();
-    if cfg.no_log {
-        headers.push(("x-hindsight-no-log".into(), "true".into()));
-    }
-    let client = ChatClient::new(
-        &cfg.endpoint,
-        cfg.api_key.as_deref(),
-        cfg.request_timeout_ms,
-        cfg.max_retries,
-        &headers,
-    )?;
+    let client = cfg.client()?;
     let started_at_ms = now_ms();
     let clock = Instant::now();
 
