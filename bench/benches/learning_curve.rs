@@ -220,6 +220,17 @@ fn print_report(objective: Objective, report: &LearningReport) {
             );
         }
     }
+    if let Some(d) = &report.capability_drift {
+        eprintln!(
+            "[learning_curve] {}: the base model's capability answers, mean log p per token: {:.3} (base) -> {:.3} (last point), {:+.3} on {} items (the eval gate allows -{:.2})",
+            objective.as_str(),
+            d.base,
+            d.candidate,
+            d.change(),
+            d.items,
+            hindsight_control::guard::GuardConfig::default().max_logprob_drop
+        );
+    }
     if let Some(c) = &report.capability_vs_base {
         let margin = hindsight_control::guard::GuardConfig::default().capability_margin;
         eprintln!(

@@ -27,6 +27,9 @@ fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+// The two /proc readers below repeat `hindsight_bench::procfs` on purpose: this file also
+// builds as hindsight-learner's example (learner/examples/train_step.rs), without this crate.
+
 /// CPU seconds (user + system, all threads) this process has used: on a shared machine this
 /// is steadier than wall time. Linux only (NaN elsewhere).
 fn cpu_seconds() -> f64 {

@@ -132,6 +132,10 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
         report.wall_s,
         report.train_tokens_per_s
     );
+    println!(
+        "wall time by phase: {:?}; in training steps (during the traffic and the catch-up): {:.0} s",
+        report.phases, report.train_s
+    );
     let held_out = report
         .held_out_vs_base
         .as_ref()
@@ -148,6 +152,18 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
         "the {} capability-set items, adapter v{version} - base (exact match): {}",
         capability.items, capability.exact_match
     );
+    let drift = report.capability_drift;
+    match drift {
+        Some(d) => println!(
+            "the base model's capability answers, mean log p per token: {:.3} (base) -> {:.3} \
+             (v{version}) on {} items; the gate allows a drop of {:.2}",
+            d.base,
+            d.candidate,
+            d.items,
+            GuardConfig::default().max_logprob_drop
+        ),
+        None => println!("log-prob drift not measured (serve returned no prompt log-probs)"),
+    }
     // The run's figures, kept where a person (or the README) can read them after a passing
     // run, whose output the test harness swallows.
     let figures = serde_json::json!({
@@ -156,8 +172,11 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
         "answer_logprob": [base, learned],
         "prior_margin": [before.prior_margin, after.prior_margin],
         "capability_vs_base": capability,
+        "capability_drift": drift,
         "examples": after.examples,
         "wall_s": report.wall_s,
+        "phases": report.phases,
+        "train_s": report.train_s,
         "train_tokens_per_s": report.train_tokens_per_s,
     });
     let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-results");
@@ -179,6 +198,14 @@ async fn learning_from_feedback_raises_exact_match_on_unseen_tickets_beyond_nois
         margin * 100.0,
         capability.exact_match
     );
+    if let Some(d) = drift {
+        let allowed = GuardConfig::default().max_logprob_drop;
+        assert!(
+            d.change() >= -allowed,
+            "drift: the base model's capability answers lost more than the gate's {allowed} nats \
+             per token under the adapter: {d:?}"
+        );
+    }
     assert!(
         learned > base + 1.0,
         "learning from {EVENTS} corrections did not make unseen correct answers more likely: \

@@ -94,8 +94,9 @@ pub struct Scenario {
     /// Episodes in flight.
     #[serde(default = "default_concurrency")]
     pub concurrency: usize,
-    /// Feedback sent after each chunk's answers, in episode order, so the learner meets the
-    /// examples in the same order on every run of a seed (false: as answers finish).
+    /// Feedback sent in episode order (each episode's once it and every earlier one of the chunk
+    /// are answered), so the learner meets the examples in the same order on every run of a
+    /// seed and trains while the chunk's later tickets are answered (false: as answers finish).
     #[serde(default = "yes")]
     pub feedback_in_episode_order: bool,
     /// How critiques are worded.

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use hindsight_control::guard::{builtin_capability_set, GuardConfig};
+use hindsight_control::guard::{answer_drift, builtin_capability_set, Drift, GuardConfig};
 use hindsight_eval::{
     compare_runs, evaluate, extract_json_answer, score_answer, Comparison, EvalSet, RunConfig,
     RunReport,
@@ -286,6 +286,9 @@ pub struct LearningReport {
     pub traffic_exact_match: Vec<f64>,
     /// Wall time, seconds.
     pub wall_s: f64,
+    /// Where the wall time went (older files lack it).
+    #[serde(default)]
+    pub phases: PhaseTimes,
     /// Seconds spent in training steps.
     pub train_s: f64,
     /// Tokens processed by the trainer.
@@ -315,6 +318,28 @@ pub struct LearningReport {
     /// more than `capability_margin` below the base's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capability_vs_base: Option<Comparison>,
+    /// Drift: the base model's greedy capability answers scored under the last version and
+    /// under the base (the gate rejects a drop over `max_logprob_drop` nats per token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capability_drift: Option<Drift>,
+}
+
+/// Wall seconds by phase of a run (they add up to about `wall_s`; the learner trains during
+/// `traffic_s` too, so `catch_up_s` is only what it still had left when the traffic ended).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct PhaseTimes {
+    /// Loading the eval sets, the prior probe and serve, before the first measurement.
+    pub setup_s: f64,
+    /// Measuring the base model and every candidate: held-out (and trained) eval runs through
+    /// serve, the prior probe.
+    pub eval_s: f64,
+    /// Greedy capability-set runs (base and last version).
+    pub capability_s: f64,
+    /// Sending the traffic chunks with their feedback through the proxy.
+    pub traffic_s: f64,
+    /// After each chunk: waiting for the learner to take in its feedback and register the
+    /// candidate.
+    pub catch_up_s: f64,
 }
 
 impl LearningReport {
@@ -353,6 +378,10 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     let probe = prior_probe(&cfg, &set, train_set.as_ref(), &constant_baseline)?;
     let (serve_url, base_name, stop_serve) = start_serve(cfg.model_path()).await?;
     let capability = builtin_capability_set()?;
+    let mut phases = PhaseTimes {
+        setup_s: started.elapsed().as_secs_f64(),
+        ..PhaseTimes::default()
+    };
     let meter = Meter {
         set: &set,
         train_set: train_set.as_ref(),
@@ -361,12 +390,16 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         probe,
         serve_url: &serve_url,
     };
+    let t = Instant::now();
     let base = meter.measure(&base_name, None).await?;
+    phases.eval_s += t.elapsed().as_secs_f64();
+    let t = Instant::now();
     let base_capability = if cfg.objective == Objective::None {
         None
     } else {
         Some(meter.capability(&base_name).await?)
     };
+    phases.capability_s += t.elapsed().as_secs_f64();
     let mut points = vec![meter.point(&base, 0, 0, None, started)];
     tracing::info!(
         objective = cfg.objective.as_str(),
@@ -374,7 +407,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         "Base model evaluated."
     );
     if cfg.objective == Objective::None {
-        let report = untrained_report(cfg, points, constant_baseline, started);
+        let report = untrained_report(cfg, points, constant_baseline, started, phases);
         let _ = stop_serve.send(());
         return Ok(report);
     }
@@ -408,7 +441,10 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         } else {
             base_name.clone()
         };
+        let t = Instant::now();
         let summary = send_traffic(&cfg, &prefix, capture.proxy_addr, model, sent, n).await?;
+        phases.traffic_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
         traffic.push(summary.exact_match);
         let judged = summary
             .outcomes
@@ -426,13 +462,16 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         let Some(version) = tally.next_candidate(&mut events_rx).await else {
             bail!("the learner stopped: {:?}", learner.join());
         };
+        phases.catch_up_s += t.elapsed().as_secs_f64();
         live = Some(version);
         let adapter_dir = cfg
             .work_dir
             .join("adapters")
             .join(&adapter_name)
             .join(format!("v{version}"));
+        let t = Instant::now();
         let m = meter.measure(&adapter_name, Some(adapter_dir)).await?;
+        phases.eval_s += t.elapsed().as_secs_f64();
         tracing::info!(
             objective = cfg.objective.as_str(),
             events = sent,
@@ -446,17 +485,27 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         last = Some(m);
     }
     // What the last version still knows outside the task.
-    let capability_vs_base = match (&base_capability, live) {
+    let (capability_vs_base, capability_drift) = match (&base_capability, live) {
         (Some(base), Some(_)) => {
+            let t = Instant::now();
             let cap = meter.capability(&adapter_name).await?;
+            let drift = answer_drift(
+                &capability,
+                base,
+                &meter.capability_config(&adapter_name),
+                &meter.capability_config(&base_name),
+            )
+            .await?;
+            phases.capability_s += t.elapsed().as_secs_f64();
             tracing::info!(
                 base = base.metrics.exact_match,
                 adapter = cap.metrics.exact_match,
+                drift = ?drift,
                 "Capability set evaluated."
             );
-            Some(compare_runs(base, &cap, 10_000, sc.seed)?)
+            (Some(compare_runs(base, &cap, 10_000, sc.seed)?), drift)
         }
-        _ => None,
+        _ => (None, None),
     };
 
     let _ = stop_learner.send(());
@@ -476,6 +525,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         constant_baseline: Some(constant_baseline),
         traffic_exact_match: traffic,
         wall_s: started.elapsed().as_secs_f64(),
+        phases,
         train_s,
         train_tokens: tally.train_tokens,
         train_tokens_per_s: if train_s > 0.0 {
@@ -489,6 +539,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         trained_vs_base,
         history_vs_base,
         capability_vs_base,
+        capability_drift,
     })
 }
 
@@ -540,6 +591,7 @@ fn untrained_report(
     mut points: Vec<CurvePoint>,
     constant_baseline: ConstantBaseline,
     started: Instant,
+    phases: PhaseTimes,
 ) -> LearningReport {
     let sc = &cfg.scenario;
     let mut e = sc.eval_every;
@@ -555,6 +607,7 @@ fn untrained_report(
         constant_baseline: Some(constant_baseline),
         traffic_exact_match: vec![],
         wall_s: started.elapsed().as_secs_f64(),
+        phases,
         train_s: 0.0,
         train_tokens: 0,
         train_tokens_per_s: 0.0,
@@ -564,6 +617,7 @@ fn untrained_report(
         trained_vs_base: None,
         history_vs_base: None,
         capability_vs_base: None,
+        capability_drift: None,
     }
 }
 
@@ -613,12 +667,17 @@ impl Meter<'_> {
         })
     }
 
+    /// The capability runs' settings: greedy, the eval gate's guard settings, the answers kept
+    /// (the drift check scores the base's).
+    fn capability_config(&self, model: &str) -> RunConfig {
+        let mut rc = self.run_config(model.to_string());
+        rc.max_tokens = Some(GuardConfig::default().max_tokens);
+        rc
+    }
+
     /// Greedy answers of `model` to the capability set, with the eval gate's guard settings.
     async fn capability(&self, model: &str) -> anyhow::Result<RunReport> {
-        let mut rc = self.run_config(model.to_string());
-        rc.keep_content = false;
-        rc.max_tokens = Some(GuardConfig::default().max_tokens);
-        Ok(evaluate(self.capability, &rc).await?)
+        Ok(evaluate(self.capability, &self.capability_config(model)).await?)
     }
 
     /// Runs the probe off the async workers (it is seconds of CPU per point).
