@@ -14,27 +14,22 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-say() { printf '\n[learner-e2e] %s\n' "$*"; }
-die() { printf '[learner-e2e] error: %s\n' "$*" >&2; exit 1; }
 
 EVENTS="${EVENTS:-64}"
 EVAL_ITEMS="${EVAL_ITEMS:-60}"
 RUN="e2e$(date +%s)"
 W="target/learner-e2e/$RUN"
 mkdir -p "$W/logs"
+TAG=learner-e2e LOGS="$W/logs"
+# shellcheck source=deploy/lib.sh
+. deploy/lib.sh
 MODEL="$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 [ -f "$MODEL" ] || deploy/fetch-model.sh
 cargo build --quiet --bin hindsight && cargo build --quiet -p hindsight-sim
 BIN="$ROOT/target/debug/hindsight"
 SIM="$ROOT/target/debug/hindsight-sim"
 SECRET="learner-e2e-secret"
-PIDS=()
-trap 'for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true' EXIT INT TERM
-
-wait_http() { # url name seconds
-  for _ in $(seq $(($3 * 5))); do curl -fsS -o /dev/null "$1" 2>/dev/null && return 0; sleep 0.2; done
-  die "$2 did not come up; see $W/logs/"
-}
+trap stop_all EXIT INT TERM
 
 export HINDSIGHT_LOG__TOPIC_PREFIX="$RUN"
 "$SIM" eval-set --n "$EVAL_ITEMS" --out "$W/eval.jsonl"

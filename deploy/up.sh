@@ -22,8 +22,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-say() { printf '\n\033[1m[up] %s\033[0m\n' "$*"; }
-die() { printf '[up] error: %s\n' "$*" >&2; exit 1; }
+TAG=up LOGS=.hindsight/logs
+# shellcheck source=deploy/lib.sh
+. deploy/lib.sh
 
 command -v cargo >/dev/null || die "cargo is missing: install Rust (rustup) first"
 command -v python3 >/dev/null || die "python3 (with pip) is missing"
@@ -41,21 +42,11 @@ SIM_BIN="$ROOT/target/debug/hindsight-sim"
 
 mkdir -p .hindsight/logs
 SECRET="${HINDSIGHT_WEBHOOK_SECRET:-local-demo-secret}"
-PIDS=()
 cleanup() {
   say "stopping hindsight processes"
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  stop_all
 }
 trap cleanup EXIT INT TERM
-
-wait_http() { # url name seconds
-  for _ in $(seq $(($3 * 5))); do
-    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
-    sleep 0.2
-  done
-  die "$2 did not come up; see .hindsight/logs/"
-}
 
 # Pretty-prints JSON, at most $2 lines (no SIGPIPE under pipefail).
 pretty() { python3 -c 'import json,sys; l=json.dumps(json.loads(sys.argv[1]),indent=2).splitlines(); n=int(sys.argv[2]); print("\n".join(l[:n])+("\n  ..." if len(l)>n else ""))' "$1" "$2"; }

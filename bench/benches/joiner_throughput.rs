@@ -23,64 +23,27 @@
 //! with the broker and Redis).
 
 use std::collections::{BTreeSet, HashMap};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use hindsight_bench::child::wait_stdin_closed;
+use hindsight_bench::child::{brokers, log_config, run_role, ChildProc};
 use hindsight_bench::knobs::{knob, knob_list};
 use hindsight_feedback::{
-    run_joiner, EpisodeRecord, FeedbackRecord, FeedbackTarget, FeedbackValue, InteractionRecord,
-    JoinerConfig, LogConfig, RecordLog, Topic, TopicReader,
+    EpisodeRecord, FeedbackRecord, FeedbackTarget, FeedbackValue, InteractionRecord, RecordLog,
+    Topic, TopicReader,
 };
 use serde_json::json;
 use uuid::Uuid;
 
 fn main() -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
+    if let Some(role) = run_role() {
+        return role;
+    }
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
-        .build()?;
-    match std::env::var("HINDSIGHT_BENCH_ROLE").as_deref() {
-        Ok("joiner") => rt.block_on(role_joiner()),
-        _ => rt.block_on(parent()),
-    }
-}
-
-fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-
-fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into())
-}
-
-fn log_config(prefix: &str, partitions: i32, spill: &std::path::Path) -> anyhow::Result<LogConfig> {
-    Ok(LogConfig {
-        brokers: brokers(),
-        topic_prefix: prefix.into(),
-        topic_partitions: partitions,
-        spill_dir: spill.into(),
-        ..LogConfig::default()
-    })
-}
-
-/// Child: one joiner with the default batch settings until stdin closes.
-async fn role_joiner() -> anyhow::Result<()> {
-    let prefix = std::env::var("BENCH_PREFIX").context("BENCH_PREFIX")?;
-    let partitions: i32 = knob("PARTITIONS", 6)?;
-    let spill = tempfile::tempdir()?;
-    let log = log_config(&prefix, partitions, spill.path())?.validate()?;
-    let cfg = JoinerConfig {
-        group_id: format!("{prefix}-group"),
-        redis_url: redis_url(),
-        redis_key_prefix: format!("{prefix}:"),
-        ..JoinerConfig::default()
-    }
-    .validate()?;
-    let stats = run_joiner(cfg, log, wait_stdin_closed()).await?;
-    eprintln!("joiner stopped: {stats:?}");
-    Ok(())
+        .build()?
+        .block_on(parent())
 }
 
 fn interaction(episode: &str, t: i64) -> InteractionRecord {
@@ -107,7 +70,7 @@ struct Run {
 async fn run_one(joiners: usize, episodes: usize, partitions: i32) -> anyhow::Result<Run> {
     let prefix = format!("bench-join-{}", Uuid::now_v7().simple());
     let spill = tempfile::tempdir()?;
-    let cfg = log_config(&prefix, partitions, spill.path())?.validate()?;
+    let cfg = log_config(&prefix, partitions, spill.path()).validate()?;
     let (log, h) = RecordLog::start(cfg.clone()).await?;
     let now = hindsight_feedback::now_ms();
     let mut want: HashMap<Uuid, BTreeSet<Uuid>> = HashMap::new();
@@ -143,21 +106,19 @@ async fn run_one(joiners: usize, episodes: usize, partitions: i32) -> anyhow::Re
 
     let reader = TopicReader::new(&cfg, &format!("{prefix}-reader"), &[Topic::Episodes])?;
     let started = Instant::now();
-    let mut children: Vec<Child> = (0..joiners)
+    let children = (0..joiners)
         .map(|_| {
-            Command::new(std::env::current_exe()?)
-                .arg("--bench")
-                .env("HINDSIGHT_BENCH_ROLE", "joiner")
-                .env("BENCH_PREFIX", &prefix)
-                .env("PARTITIONS", partitions.to_string())
-                .env("RUST_LOG", "warn")
-                .stdin(Stdio::piped())
-                .stdout(Stdio::null())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .context("starting a joiner")
+            ChildProc::start(
+                "joiner",
+                &[
+                    ("BENCH_PREFIX", prefix.clone()),
+                    ("PARTITIONS", partitions.to_string()),
+                    ("RUST_LOG", "warn".into()),
+                ],
+            )
+            .context("starting a joiner")
         })
-        .collect::<anyhow::Result<_>>()?;
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let mut latest: HashMap<Uuid, BTreeSet<Uuid>> = HashMap::new();
     let (mut first, mut last, mut records) = (None, started, 0usize);
     let deadline = started + Duration::from_secs(knob("TIMEOUT_S", 900)?);
@@ -186,12 +147,7 @@ async fn run_one(joiners: usize, episodes: usize, partitions: i32) -> anyhow::Re
             _ => {}
         }
     }
-    for c in &mut children {
-        drop(c.stdin.take());
-    }
-    for c in &mut children {
-        let _ = c.wait();
-    }
+    ChildProc::stop_all(children);
     let first = first.unwrap_or(started);
     Ok(Run {
         joiners,

@@ -11,125 +11,19 @@
 //! The mock and the proxy run as child processes (this same binary, re-executed with a role)
 //! so the proxy's memory and CPU are its own.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::io::Write;
 use std::time::Duration;
 
-use anyhow::{bail, Context};
 use bytes::Bytes;
-use hindsight_bench::child::wait_stdin_closed;
+use hindsight_bench::child::{metric_sum, run_role, ChildProc};
 use hindsight_bench::knobs::{knob, knob_list};
 use hindsight_bench::load::{open_loop, LoadResult, Target};
 
 fn main() -> anyhow::Result<()> {
-    match std::env::var("HINDSIGHT_BENCH_ROLE").as_deref() {
-        Ok("mock") => role_mock(),
-        Ok("proxy") => role_proxy(),
-        _ => parent(),
+    if let Some(role) = run_role() {
+        return role;
     }
-}
-
-/// Child: mock upstream. Prints `READY addr`, serves until stdin closes.
-fn role_mock() -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let delay = Duration::from_micros((knob("UPSTREAM_LATENCY_MS", 10.0f64)? * 1000.0) as u64);
-        let addr = hindsight_bench::mock_upstream::spawn(delay).await?;
-        println!("READY {addr}");
-        wait_stdin_closed().await;
-        Ok(())
-    })
-}
-
-/// Child: the proxy, configured from `HINDSIGHT_PROXY__*` / `HINDSIGHT_LOG__*`.
-fn role_proxy() -> anyhow::Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(knob("PROXY_THREADS", 2usize)?)
-        .enable_all()
-        .build()?;
-    rt.block_on(async {
-        let config = hindsight_proxy::RawConfig::load(None, std::env::vars())?.validate()?;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        println!("READY {} {}", listener.local_addr()?, admin.local_addr()?);
-        let report = hindsight_proxy::run(
-            config,
-            listener,
-            admin,
-            hindsight_proxy::Extensions::default(),
-            wait_stdin_closed(),
-        )
-        .await?;
-        eprintln!("proxy stopped: {report:?}");
-        Ok(())
-    })
-}
-
-struct ChildProc {
-    child: Child,
-    ready: Vec<String>,
-}
-
-impl ChildProc {
-    fn start(role: &str, envs: &[(&str, String)]) -> anyhow::Result<Self> {
-        let exe = std::env::current_exe()?;
-        let mut cmd = Command::new(exe);
-        cmd.env("HINDSIGHT_BENCH_ROLE", role)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        for (k, v) in envs {
-            cmd.env(k, v);
-        }
-        let mut child = cmd.spawn()?;
-        let stdout = child.stdout.take().context("child stdout")?;
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line)?;
-        let Some(rest) = line.trim().strip_prefix("READY ") else {
-            bail!("{role} did not start: {line:?}");
-        };
-        let ready = rest.split(' ').map(str::to_string).collect();
-        Ok(Self { child, ready })
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Resident memory (current, peak) in MiB.
-    fn rss_mib(&self) -> (f64, f64) {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
-        let field = |name: &str| {
-            status
-                .lines()
-                .find(|l| l.starts_with(name))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse::<f64>().ok())
-                .map(|kb| kb / 1024.0)
-                .unwrap_or(f64::NAN)
-        };
-        (field("VmRSS:"), field("VmHWM:"))
-    }
-
-    /// User + system CPU seconds so far.
-    fn cpu_seconds(&self) -> f64 {
-        let stat =
-            std::fs::read_to_string(format!("/proc/{}/stat", self.pid())).unwrap_or_default();
-        // Fields after the parenthesised command name; utime and stime are 14 and 15 overall.
-        let after = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-        let f: Vec<&str> = after.split_whitespace().collect();
-        let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-        (ticks(11) + ticks(12)) / 100.0
-    }
-
-    fn stop(mut self) {
-        drop(self.child.stdin.take());
-        let _ = self.child.wait();
-    }
+    parent()
 }
 
 fn body() -> Bytes {
@@ -159,17 +53,6 @@ fn row(label: &str, r: &LoadResult) -> String {
     )
 }
 
-async fn metric_sum(admin: &str, name: &str) -> f64 {
-    let Ok(resp) = reqwest::get(format!("http://{admin}/metrics")).await else {
-        return f64::NAN;
-    };
-    let text = resp.text().await.unwrap_or_default();
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// The upper bound of the histogram bucket holding quantile `q` (NaN when absent).
 async fn bucket_quantile(admin: &str, name: &str, q: f64) -> f64 {
     let Ok(resp) = reqwest::get(format!("http://{admin}/metrics")).await else {
@@ -197,7 +80,7 @@ fn parent() -> anyhow::Result<()> {
     let duration = Duration::from_secs(knob("DURATION_S", 20u64)?);
     let warmup = Duration::from_secs(knob("WARMUP_S", 3u64)?);
     let max_in_flight = knob("MAX_IN_FLIGHT", 512usize)?;
-    let brokers = std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+    let brokers = hindsight_bench::child::brokers();
     let latency_ms: f64 = knob("UPSTREAM_LATENCY_MS", 10.0)?;
     let spill = tempfile_dir()?;
 

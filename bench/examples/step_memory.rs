@@ -17,31 +17,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use hindsight_bench::learning::Objective;
+use hindsight_bench::procfs::Proc;
 use hindsight_learner::example::TrainExample;
 use hindsight_learner::trainer::{DistillTarget, Trainer, TrainerConfig};
 use hindsight_model::candle_core::{DType, Device};
 use hindsight_model::ModelBundle;
 use rand::{Rng, SeedableRng};
-
-fn peak_rss_mb() -> f64 {
-    status_mb("VmHWM:")
-}
-
-fn rss_mb() -> f64 {
-    status_mb("VmRSS:")
-}
-
-fn status_mb(field: &str) -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with(field))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(f64::NAN, |kb| kb / 1024.0)
-}
 
 struct Args {
     context: usize,
@@ -180,8 +161,8 @@ fn main() -> Result<()> {
             println!(
                 "| {i} | {context} | {n} | {:.2} | {:.0} | {:.0} |",
                 t0.elapsed().as_secs_f64(),
-                rss_mb(),
-                peak_rss_mb()
+                Proc::This.rss_mib(),
+                Proc::This.peak_rss_mib()
             );
         }
         return Ok(());
@@ -204,7 +185,7 @@ fn main() -> Result<()> {
         a.objective.as_str(),
         a.prefix_grad,
         times[times.len() / 2],
-        peak_rss_mb()
+        Proc::This.peak_rss_mib()
     );
     Ok(())
 }

@@ -9,3 +9,4 @@ pub mod learning;
 pub mod load;
 pub mod mock_upstream;
 pub mod prior_probe;
+pub mod procfs;
