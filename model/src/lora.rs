@@ -438,6 +438,23 @@ impl Adapter {
             .map(|(a, b)| (a, b))
     }
 
+    /// The first adapted projection (layer, target) whose weights hold a NaN or an infinity.
+    pub fn first_non_finite(&self) -> Result<Option<(usize, LoraTarget)>> {
+        for (layer, targets) in self.weights.iter().enumerate() {
+            for t in LoraTarget::ALL {
+                if let Some((a, b)) = &targets[t as usize] {
+                    for m in [a, b] {
+                        let values = m.as_tensor().flatten_all()?.to_dtype(DType::F32)?;
+                        if !values.to_vec1::<f32>()?.iter().all(|x| x.is_finite()) {
+                            return Ok(Some((layer, t)));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
     /// `scale * B @ A` (`[out, in]`, f32) for one projection, or `None` if not adapted.
     pub fn delta_weight(&self, layer: usize, target: LoraTarget) -> Result<Option<Tensor>> {
         match self.matrices(layer, target) {
@@ -500,6 +517,20 @@ impl Adapter {
         model_cfg: &ModelConfig,
         device: &Device,
     ) -> Result<Self> {
+        let path = dir.join("adapter_model.safetensors");
+        let weights = std::fs::read(&path).map_err(|e| ModelError::io(&path, e))?;
+        Self::load_peft_with_weights(dir, &weights, name, model_cfg, device)
+    }
+
+    /// [`Adapter::load_peft`] with the bytes of `adapter_model.safetensors` already read, so a
+    /// caller that also hashes the file reads it once.
+    pub fn load_peft_with_weights(
+        dir: &Path,
+        weights: &[u8],
+        name: impl Into<String>,
+        model_cfg: &ModelConfig,
+        device: &Device,
+    ) -> Result<Self> {
         let path = dir.join("adapter_config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
         let raw: PeftConfig =
@@ -538,8 +569,7 @@ impl Adapter {
             dropout: raw.lora_dropout,
             targets,
         };
-        let path = dir.join("adapter_model.safetensors");
-        let loaded = candle_core::safetensors::load(&path, device)?;
+        let loaded = candle_core::safetensors::load_buffer(weights, device)?;
         // PEFT sometimes keeps the adapter name in keys (`lora_A.default.weight`).
         let tensors = loaded
             .into_iter()

@@ -309,6 +309,7 @@ fn peft_round_trip_preserves_adapter() {
 
     let loaded = Adapter::load_peft(dir.path(), "p2", model.config(), &Device::Cpu).unwrap();
     assert_eq!(loaded.config(), &lcfg);
+    assert_eq!(loaded.first_non_finite().unwrap(), None);
     let a = logits(&model, &[SEQ_A], &AdapterSelection::All(&adapter));
     let b = logits(&model, &[SEQ_A], &AdapterSelection::All(&loaded));
     assert!(max_abs_diff(&a, &b) < 1e-6);

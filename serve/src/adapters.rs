@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 
-use hindsight_model::candle_core::{DType, Device};
-use hindsight_model::{Adapter, LoraTarget, ModelConfig};
+use hindsight_model::candle_core::Device;
+use hindsight_model::{Adapter, ModelConfig};
 use sha2::{Digest, Sha256};
 
 use crate::error::ServeError;
@@ -178,33 +178,25 @@ impl AdapterRegistry {
                 ));
             }
         }
-        let adapter =
-            Adapter::load_peft(&req.path, req.name.clone(), &self.model_cfg, &self.device)
-                .map_err(|e| {
-                    ServeError::invalid(
-                        "lora_path",
-                        format!("adapter does not fit the base model: {e}"),
-                    )
-                })?;
+        let adapter = Adapter::load_peft_with_weights(
+            &req.path,
+            &bytes,
+            req.name.clone(),
+            &self.model_cfg,
+            &self.device,
+        )
+        .map_err(|e| {
+            ServeError::invalid(
+                "lora_path",
+                format!("adapter does not fit the base model: {e}"),
+            )
+        })?;
         // Non-finite weights would poison every token: refuse them.
-        for layer in 0..adapter.num_layers() {
-            for t in LoraTarget::ALL {
-                if let Some((a, b)) = adapter.matrices(layer, t) {
-                    for m in [a, b] {
-                        let s = m
-                            .as_tensor()
-                            .to_dtype(DType::F32)
-                            .and_then(|x| x.abs()?.sum_all()?.to_scalar::<f32>())
-                            .map_err(hindsight_model::ModelError::from)?;
-                        if !s.is_finite() {
-                            return Err(ServeError::invalid(
-                                "lora_path",
-                                format!("adapter has non-finite weights in layer {layer} {t:?}"),
-                            ));
-                        }
-                    }
-                }
-            }
+        if let Some((layer, t)) = adapter.first_non_finite()? {
+            return Err(ServeError::invalid(
+                "lora_path",
+                format!("adapter has non-finite weights in layer {layer} {t:?}"),
+            ));
         }
         Ok(AdapterVersion {
             name: req.name.clone(),
@@ -231,6 +223,7 @@ impl AdapterRegistry {
                 "an adapter cannot take the base model's name",
             ));
         }
+        let started = std::time::Instant::now();
         let _guard = self.changes.lock().map_err(|_| ServeError::Unavailable)?;
         let current = self.snapshot();
         let existing = current.by_name.get(&req.name);
@@ -255,7 +248,13 @@ impl AdapterRegistry {
         let excess = versions.len().saturating_sub(self.keep_versions);
         versions.drain(..excess);
         self.swap(next);
-        tracing::info!(name = %loaded.name, version = loaded.version, sha256 = %loaded.sha256, "Adapter loaded.");
+        tracing::info!(
+            name = %loaded.name,
+            version = loaded.version,
+            sha256 = %loaded.sha256,
+            load_ms = started.elapsed().as_secs_f64() * 1e3,
+            "Adapter loaded."
+        );
         Ok(loaded)
     }
 

@@ -132,6 +132,37 @@ async fn load_unload_replace_semantics_and_refusals() {
         "{}",
         r.text
     );
+    // One NaN in one matrix would poison every token: refused, naming where it is.
+    let poisoned = write_adapter(tmp.path(), "nan", 4);
+    {
+        use hindsight_model::candle_core::{safetensors, Device, Tensor};
+        let file = poisoned.join("adapter_model.safetensors");
+        let mut tensors = safetensors::load(&file, &Device::Cpu).unwrap();
+        let key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight";
+        let mut values = tensors[key]
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        values[3] = f32::NAN;
+        let shape = tensors[key].shape().clone();
+        tensors.insert(
+            key.into(),
+            Tensor::from_vec(values, shape, &Device::Cpu).unwrap(),
+        );
+        safetensors::save(&tensors, &file).unwrap();
+    }
+    let r = load(&app, "ad", &poisoned, json!({"load_inplace": true})).await;
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert_eq!(r.json()["error"]["param"], "lora_path");
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("non-finite weights in layer 1 V"),
+        "{}",
+        r.text
+    );
     let r = load(
         &app,
         "ad",
