@@ -4,7 +4,9 @@
 //! any scraper; the listener binds loopback by default). Changing anything — the operator
 //! commands of `hindsight rollout` — takes the bearer token from config (compared in constant
 //! time; a missing or wrong token is a 401; the token is never logged), and so does the free
-//! text people wrote in their feedback.
+//! text people wrote in their feedback. With `rollout.open_reads = false` every `/v1/` read
+//! takes the token too (for listeners reachable beyond trusted hosts); the page, its script and
+//! `/metrics` stay open.
 //!
 //! - `GET  /` — the operator's page ([`OPERATOR_PAGE`]; its script at `/operator.js`);
 //! - `GET  /v1/rollouts` — every route with the controller's current view;
@@ -60,17 +62,42 @@ pub struct AdminState {
 
 /// The router.
 pub fn router(state: Arc<AdminState>) -> Router {
-    Router::new()
-        .route("/", get(page))
-        .route("/operator.js", get(script))
-        .route("/metrics", get(metrics))
+    // The data reads: open, or behind the token with `rollout.open_reads = false`.
+    let reads = Router::new()
         .route("/v1/rollouts", get(list))
-        .route("/v1/rollouts/{route}", post(command))
         .route("/v1/rollouts/{route}/history", get(history))
         .route("/v1/adapters", get(adapters))
         .route("/v1/learning", get(learning_curves))
         .route("/v1/feedback/recent", get(recent_feedback))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            reads_allowed,
+        ));
+    Router::new()
+        .route("/", get(page))
+        .route("/operator.js", get(script))
+        .route("/metrics", get(metrics))
+        .route("/v1/rollouts/{route}", post(command))
+        .merge(reads)
         .with_state(state)
+}
+
+/// Lets a read through when reads are open or it carries the admin token.
+async fn reads_allowed(
+    State(s): State<Arc<AdminState>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    if s.cfg.open_reads || has_token(&s, req.headers()) {
+        next.run(req).await
+    } else {
+        error(
+            StatusCode::UNAUTHORIZED,
+            "reads need the admin token here (rollout.open_reads = false)",
+            Some("authorization"),
+            "unauthorized",
+        )
+    }
 }
 
 /// Constant-time equality: the time taken does not depend on where the strings differ.
@@ -443,6 +470,101 @@ mod tests {
         ] {
             assert!(!OPERATOR_SCRIPT.contains(markup), "{markup} in operator.js");
         }
+    }
+
+    /// The admin router on a local socket with reads open or closed; its base URL.
+    async fn serve(open_reads: bool, token: &str) -> String {
+        let store = RoutingStore::new(hindsight_routing::StoreConfig {
+            redis_url: std::env::var("REDIS_URL")
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379/".into()),
+            key_prefix: format!("hindsight:test:admin:{}", uuid::Uuid::now_v7()),
+            ..Default::default()
+        })
+        .unwrap();
+        let state = Arc::new(AdminState {
+            store,
+            registry: None,
+            cfg: RolloutConfig {
+                open_reads,
+                ..RolloutConfig::default()
+            },
+            token: token.into(),
+            prometheus: None,
+            recent_feedback: RecentFeedback::default(),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, router(state)).await });
+        base
+    }
+
+    const READS: [&str; 5] = [
+        "/v1/rollouts",
+        "/v1/rollouts/support/history",
+        "/v1/adapters",
+        "/v1/learning",
+        "/v1/feedback/recent",
+    ];
+
+    #[tokio::test]
+    async fn closed_reads_take_the_token_and_the_page_stays_open() {
+        let token = "closed-reads-test-token";
+        let base = serve(false, token).await;
+        let http = reqwest::Client::new();
+        for path in READS {
+            let r = http.get(format!("{base}{path}")).send().await.unwrap();
+            assert_eq!(r.status(), 401, "{path} without the token");
+            let body: Value = r.json().await.unwrap();
+            assert_eq!(body["error"]["param"], "authorization", "{path}: {body}");
+            let r = http
+                .get(format!("{base}{path}"))
+                .bearer_auth("closed-reads-wrong-token")
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 401, "{path} with a wrong token");
+            // With the token the read runs (the learning curve's run log is absent here: an
+            // empty curve, not an error).
+            let r = http
+                .get(format!("{base}{path}"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200, "{path}: {}", r.text().await.unwrap());
+        }
+        for path in ["/", "/operator.js"] {
+            let r = http.get(format!("{base}{path}")).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{path} stays open");
+        }
+        // Commands keep their own check.
+        let r = http
+            .post(format!("{base}/v1/rollouts/support"))
+            .json(&json!({"action": "kill"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401);
+    }
+
+    #[tokio::test]
+    async fn open_reads_need_no_token() {
+        let base = serve(true, "open-reads-test-token").await;
+        let http = reqwest::Client::new();
+        for path in READS {
+            let r = http.get(format!("{base}{path}")).send().await.unwrap();
+            assert_eq!(r.status(), 200, "{path}: {}", r.text().await.unwrap());
+        }
+    }
+
+    #[test]
+    fn closed_reads_without_a_token_are_refused_at_start() {
+        let cfg = RolloutConfig {
+            open_reads: false,
+            ..RolloutConfig::default()
+        };
+        let e = cfg.validate().unwrap_err().to_string();
+        assert!(e.contains("rollout.open_reads"), "{e}");
     }
 
     #[test]

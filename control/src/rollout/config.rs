@@ -132,6 +132,13 @@ pub struct RolloutConfig {
     /// 401; set it from the environment: `HINDSIGHT_ROLLOUT__ADMIN_TOKEN`).
     #[serde(default, skip_serializing)]
     pub admin_token: Option<AdminToken>,
+    /// Whether the admin listener's reads (routes, audit trail, registry, learning curves, the
+    /// recent feedback's kinds and values) are open without the admin token. Set false where the
+    /// listener is reachable beyond trusted hosts (the compose and Kubernetes manifests bind
+    /// 0.0.0.0); the page itself and `/metrics` stay open, and the page sends the token it is
+    /// given with every read.
+    #[serde(default = "yes")]
+    pub open_reads: bool,
     /// The learner's JSONL run log, read by the operator page for its learning curves (the
     /// learner's `[learner] run_log`, whose default this is); none when empty. A missing file
     /// shows as no curve.
@@ -217,6 +224,9 @@ fn default_run_log() -> PathBuf {
 fn default_admin_addr() -> String {
     "127.0.0.1:9466".into()
 }
+fn yes() -> bool {
+    true
+}
 
 impl Default for RolloutConfig {
     fn default() -> Self {
@@ -245,6 +255,7 @@ impl Default for RolloutConfig {
             eval_interval_ms: default_eval_interval_ms(),
             admin_addr: default_admin_addr(),
             admin_token: None,
+            open_reads: true,
             run_log: default_run_log(),
         }
     }
@@ -298,6 +309,12 @@ impl RolloutConfig {
         }
         if self.admin_token.as_ref().is_some_and(|t| t.0.len() < 16) {
             return Err(bad("admin_token", "must be at least 16 characters".into()));
+        }
+        if !self.open_reads && self.admin_token.is_none() {
+            return Err(bad(
+                "open_reads",
+                "false needs rollout.admin_token: without a token nothing could read".into(),
+            ));
         }
         if self.eval_interval_ms == 0 {
             return Err(bad("eval_interval_ms", "must be greater than 0".into()));
