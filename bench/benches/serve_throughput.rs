@@ -4,6 +4,9 @@
 // `cargo bench -p hindsight-bench --bench serve_throughput` (run deploy/fetch-model.sh first).
 // Each stream sends `HINDSIGHT_BENCH_REQUESTS` (default 2) streamed chat requests in a row
 // (temperature 0.8, max_tokens 64); tokens/s = completion tokens of all streams / wall time.
+// Then `n > 1` on a ~500-token prompt: one request with n = 4 (its choices share one prefill)
+// against 4 concurrent single-choice requests with the same seeds (4 prefills, what n = 4 cost
+// before the choices shared it), max_tokens 16, median wall time of 3 rounds each.
 
 use std::time::{Duration, Instant};
 
@@ -110,7 +113,54 @@ async fn run() -> Result<()> {
             tokens as f64 / secs
         );
     }
+    choices(&http, &base).await?;
     let _ = stop_tx.send(());
     server.await??;
+    Ok(())
+}
+
+/// One chat request on the long prompt; returns the number of choices answered.
+async fn long_prompt(http: &reqwest::Client, base: &str, n: usize, seed: usize) -> Result<usize> {
+    let facts: String = (0..40)
+        .map(|i| format!("Order {i} shipped on day {} to warehouse {}. ", i % 28 + 1, i % 7))
+        .collect();
+    let body = json!({"model": "base", "messages": [{"role": "user", "content": format!("{facts}Which order shipped last?")}],
+                      "max_tokens": 16, "temperature": 0.8, "seed": seed, "n": n});
+    let v: Value = http
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().context("usage")?;
+    ensure!(prompt_tokens >= 400, "the long prompt has {prompt_tokens} tokens");
+    Ok(v["choices"].as_array().map_or(0, Vec::len))
+}
+
+async fn choices(http: &reqwest::Client, base: &str) -> Result<()> {
+    const N: usize = 4;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mut shared, mut separate) = (Vec::new(), Vec::new());
+    for round in 0..3 {
+        let start = Instant::now();
+        ensure!(long_prompt(http, base, N, round * 10).await? == N);
+        shared.push(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        let futs = (0..N).map(|i| long_prompt(http, base, 1, round * 10 + i));
+        for answered in futures::future::join_all(futs).await {
+            ensure!(answered? == 1);
+        }
+        separate.push(start.elapsed().as_secs_f64());
+    }
+    let (a, b) = (median(shared), median(separate));
+    println!(
+        "  n = {N} on a ~500-token prompt, 16 new tokens: {a:5.2} s one request (shared prefill) vs {b:5.2} s {N} concurrent requests ({:.2}x)",
+        b / a
+    );
     Ok(())
 }

@@ -404,6 +404,40 @@ impl KvCache {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// A cache whose row `i` is this cache's row `rows[i]` (rows may repeat): several sequences
+    /// continuing one prefilled prompt share its prefill this way.
+    pub fn select_rows(&self, rows: &[usize]) -> Result<Self> {
+        let valid = rows
+            .iter()
+            .map(|&r| {
+                self.valid.get(r).cloned().ok_or_else(|| {
+                    ModelError::InvalidArgument(format!(
+                        "row {r} of a cache of {} rows",
+                        self.valid.len()
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let index: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let layers = match self.layers.iter().flatten().next() {
+            None => self.layers.clone(),
+            Some((k, _)) => {
+                let index = Tensor::from_vec(index, rows.len(), k.device())?;
+                self.layers
+                    .iter()
+                    .map(|l| match l {
+                        Some((k, v)) => Ok(Some((
+                            k.index_select(&index, 0)?,
+                            v.index_select(&index, 0)?,
+                        ))),
+                        None => Ok(None),
+                    })
+                    .collect::<Result<Vec<_>>>()?
+            }
+        };
+        Ok(Self { layers, valid })
+    }
 }
 
 /// A Llama-family decoder-only model.

@@ -289,11 +289,15 @@ fn selection<'a>(adapters: &'a [Option<Arc<AdapterVersion>>]) -> AdapterSelectio
     )
 }
 
+/// Prefills the admitted jobs' prompts as one batch, one row per job, then gives each of a job's
+/// `n` choices its own row: the choices share the prompt's prefill (its KV cache rows are
+/// copied), and differ from the first sampled token on by their seeds.
 fn prefill(ctx: &Ctx, mut jobs: Vec<Job>) -> Result<Group, ServeError> {
     let mut rows = Vec::new();
     let mut adapters = Vec::new();
-    let mut prompts: Vec<&[u32]> = Vec::new();
-    for job in &jobs {
+    // The prefilled row each choice continues.
+    let mut source = Vec::new();
+    for (j, job) in jobs.iter().enumerate() {
         let params = Arc::new(job.params.clone());
         for i in 0..job.params.n {
             rows.push(Row {
@@ -309,37 +313,33 @@ fn prefill(ctx: &Ctx, mut jobs: Vec<Job>) -> Result<Group, ServeError> {
                 done: false,
             });
             adapters.push(job.adapter.clone());
-            prompts.push(&job.prompt);
+            source.push(j);
         }
     }
-    let t = prompts.iter().map(|p| p.len()).max().unwrap_or(0);
-    let lengths: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
-    let mut flat = Vec::with_capacity(prompts.len() * t);
-    for p in &prompts {
-        flat.extend(std::iter::repeat_n(0u32, t - p.len()));
-        flat.extend_from_slice(p);
+    let t = jobs.iter().map(|j| j.prompt.len()).max().unwrap_or(0);
+    let lengths: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();
+    let mut flat = Vec::with_capacity(jobs.len() * t);
+    for job in &jobs {
+        flat.extend(std::iter::repeat_n(0u32, t - job.prompt.len()));
+        flat.extend_from_slice(&job.prompt);
     }
     let dev = ctx.model.device();
-    let input = Tensor::from_vec(flat, (prompts.len(), t), dev)
+    let input = Tensor::from_vec(flat, (jobs.len(), t), dev)
         .map_err(hindsight_model::ModelError::from)?;
     let layout = BatchLayout::padded(&lengths, t, PaddingSide::Left)?;
-    let mut group = Group {
-        rows,
-        adapters,
-        cache: KvCache::new(),
-    };
+    let job_adapters: Vec<Option<Arc<AdapterVersion>>> =
+        jobs.iter().map(|j| j.adapter.clone()).collect();
+    let mut cache = KvCache::new();
     let hidden = ctx.model.hidden(
         &input,
         &layout,
-        Some(&mut group.cache),
-        &selection(&group.adapters),
+        Some(&mut cache),
+        &selection(&job_adapters),
         false,
     );
     let last = hidden.and_then(|h| {
-        // Prompts asking to be scored: all their positions through the LM head; the first
-        // row of each job (its choices share the prompt).
-        let mut row = 0;
-        for job in &mut jobs {
+        // Prompts asking to be scored: all their positions through the LM head.
+        for (row, job) in jobs.iter_mut().enumerate() {
             if let Some((top, tx)) = job.prompt_logprobs.take() {
                 let len = job.prompt.len();
                 let scored = h
@@ -356,12 +356,26 @@ fn prefill(ctx: &Ctx, mut jobs: Vec<Job>) -> Result<Group, ServeError> {
                     Err(e) => tracing::error!(error = %e, "Scoring a prompt failed."),
                 }
             }
-            row += job.params.n;
         }
-        ctx.model.logits(&h.narrow(1, t - 1, 1)?.squeeze(1)?)
+        let logits = ctx.model.logits(&h.narrow(1, t - 1, 1)?.squeeze(1)?)?;
+        if source.len() == jobs.len() {
+            // One choice per job: nothing to copy.
+            return Ok((logits, cache));
+        }
+        let index: Vec<u32> = source.iter().map(|&j| j as u32).collect();
+        let index = Tensor::from_vec(index, source.len(), dev)?;
+        Ok((logits.index_select(&index, 0)?, cache.select_rows(&source)?))
     });
+    let mut group = Group {
+        rows,
+        adapters,
+        cache: KvCache::new(),
+    };
     match last {
-        Ok(l) => sample_rows(ctx, &mut group, &l)?,
+        Ok((logits, cache)) => {
+            group.cache = cache;
+            sample_rows(ctx, &mut group, &logits)?
+        }
         Err(e) => {
             for r in &mut group.rows {
                 finish(r, FinishReason::Error);

@@ -90,6 +90,60 @@ async fn concurrent_requests_on_two_adapters_match_single_runs() {
     }
 }
 
+/// `n > 1` requests on different adapters and prompts, admitted together: each job's prompt is
+/// prefilled once and its choices continue copies of that row, so choice i of each must be the
+/// single-choice request with seed + i on the same adapter.
+#[tokio::test]
+async fn choices_of_concurrent_requests_continue_their_own_prompt_and_adapter() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_s, app) = tiny_app();
+    let a = write_adapter(tmp.path(), "alpha", 1);
+    assert_eq!(load(&app, "alpha", &a, json!({})).await.status, 200);
+    let cases = [
+        ("alpha", "hi", 2u64),
+        ("tiny", "a longer prompt here", 3),
+        ("alpha", "hello world", 1),
+        ("tiny", "hey", 2),
+    ];
+    let sampled = |m: &str, p: &str, n: u64, seed: u64| {
+        json!({"model": m, "messages": [{"role": "user", "content": p}], "temperature": 1.0,
+               "seed": seed, "n": n, "max_tokens": 8, "logprobs": true})
+    };
+    let choice_ids = |v: &Value, i: usize| -> Vec<u64> {
+        v["choices"][i]["logprobs"]["content"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{v}"))
+            .iter()
+            .map(|t| t["token_id"].as_u64().unwrap())
+            .collect()
+    };
+    let mut single = Vec::new();
+    for (m, p, n) in cases {
+        let mut choices = Vec::new();
+        for i in 0..n {
+            let r = post(&app, "/v1/chat/completions", sampled(m, p, 1, 40 + i)).await;
+            assert_eq!(r.status, 200, "{}", r.text);
+            choices.push(choice_ids(&r.json(), 0));
+        }
+        single.push(choices);
+    }
+    for _round in 0..2 {
+        let futs = cases.iter().map(|(m, p, n)| {
+            let app = app.clone();
+            let body = sampled(m, p, *n, 40);
+            async move { post(&app, "/v1/chat/completions", body).await }
+        });
+        let got = futures::future::join_all(futs).await;
+        for (c, r) in got.iter().enumerate() {
+            assert_eq!(r.status, 200, "{}", r.text);
+            let v = r.json();
+            for (i, want) in single[c].iter().enumerate() {
+                assert_eq!(&choice_ids(&v, i), want, "case {c} choice {i}");
+            }
+        }
+    }
+}
+
 #[tokio::test]
 async fn load_unload_replace_semantics_and_refusals() {
     let tmp = tempfile::tempdir().unwrap();

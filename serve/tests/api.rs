@@ -94,6 +94,31 @@ async fn seeded_sampling_is_reproducible_and_n_gives_several_choices() {
     let distinct: std::collections::HashSet<Vec<u64>> =
         (0..3).map(|i| ids(&a["choices"][i])).collect();
     assert!(distinct.len() > 1, "choices use different seeds");
+    // The choices share one prefill of the prompt: choice i is exactly the single-choice
+    // request with seed + i, token for token and log-prob for log-prob.
+    for i in 0..3 {
+        let single = post(
+            &app,
+            "/v1/chat/completions",
+            chat(
+                "tiny",
+                json!({"temperature": 1.0, "seed": 11 + i, "logprobs": true, "top_logprobs": 2}),
+            ),
+        )
+        .await
+        .json();
+        let (shared, alone) = (&a["choices"][i as usize], &single["choices"][0]);
+        assert_eq!(ids(shared), ids(alone), "choice {i}");
+        for (x, y) in shared["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(alone["logprobs"]["content"].as_array().unwrap())
+        {
+            let (x, y) = (x["logprob"].as_f64().unwrap(), y["logprob"].as_f64().unwrap());
+            assert!((x - y).abs() < 1e-4, "choice {i}: {x} vs {y}");
+        }
+    }
 }
 
 #[tokio::test]
