@@ -122,7 +122,13 @@ async fn run() -> Result<()> {
 /// One chat request on the long prompt; returns the number of choices answered.
 async fn long_prompt(http: &reqwest::Client, base: &str, n: usize, seed: usize) -> Result<usize> {
     let facts: String = (0..40)
-        .map(|i| format!("Order {i} shipped on day {} to warehouse {}. ", i % 28 + 1, i % 7))
+        .map(|i| {
+            format!(
+                "Order {i} shipped on day {} to warehouse {}. ",
+                i % 28 + 1,
+                i % 7
+            )
+        })
         .collect();
     let body = json!({"model": "base", "messages": [{"role": "user", "content": format!("{facts}Which order shipped last?")}],
                       "max_tokens": 16, "temperature": 0.8, "seed": seed, "n": n});
@@ -135,7 +141,10 @@ async fn long_prompt(http: &reqwest::Client, base: &str, n: usize, seed: usize) 
         .json()
         .await?;
     let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().context("usage")?;
-    ensure!(prompt_tokens >= 400, "the long prompt has {prompt_tokens} tokens");
+    ensure!(
+        prompt_tokens >= 400,
+        "the long prompt has {prompt_tokens} tokens"
+    );
     Ok(v["choices"].as_array().map_or(0, Vec::len))
 }
 

@@ -324,8 +324,8 @@ fn prefill(ctx: &Ctx, mut jobs: Vec<Job>) -> Result<Group, ServeError> {
         flat.extend_from_slice(&job.prompt);
     }
     let dev = ctx.model.device();
-    let input = Tensor::from_vec(flat, (jobs.len(), t), dev)
-        .map_err(hindsight_model::ModelError::from)?;
+    let input =
+        Tensor::from_vec(flat, (jobs.len(), t), dev).map_err(hindsight_model::ModelError::from)?;
     let layout = BatchLayout::padded(&lengths, t, PaddingSide::Left)?;
     let job_adapters: Vec<Option<Arc<AdapterVersion>>> =
         jobs.iter().map(|j| j.adapter.clone()).collect();

@@ -115,7 +115,10 @@ async fn seeded_sampling_is_reproducible_and_n_gives_several_choices() {
             .iter()
             .zip(alone["logprobs"]["content"].as_array().unwrap())
         {
-            let (x, y) = (x["logprob"].as_f64().unwrap(), y["logprob"].as_f64().unwrap());
+            let (x, y) = (
+                x["logprob"].as_f64().unwrap(),
+                y["logprob"].as_f64().unwrap(),
+            );
             assert!((x - y).abs() < 1e-4, "choice {i}: {x} vs {y}");
         }
     }
