@@ -405,8 +405,7 @@ impl KvCache {
         self.len() == 0
     }
 
-    /// A cache whose row `i` is this cache's row `rows[i]` (rows may repeat): several sequences
-    /// continuing one prefilled prompt share its prefill this way.
+    /// Row `i` is this cache's row `rows[i]` (rows may repeat: choices sharing one prefill).
     pub fn select_rows(&self, rows: &[usize]) -> Result<Self> {
         let valid = rows
             .iter()
