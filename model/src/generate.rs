@@ -4,8 +4,9 @@ use candle_core::{DType, Tensor};
 use rand::{Rng, SeedableRng};
 
 use crate::error::{ModelError, Result};
+use crate::kv_cache::KvCache;
 use crate::lora::AdapterSelection;
-use crate::model::{BatchLayout, KvCache, Model};
+use crate::model::{BatchLayout, Model};
 
 /// How to pick the next token.
 #[derive(Debug, Clone, PartialEq)]

@@ -8,6 +8,7 @@ mod config;
 mod device;
 mod error;
 mod generate;
+mod kv_cache;
 mod loader;
 mod lora;
 mod model;
@@ -26,9 +27,10 @@ pub use generate::{
     generate, generate_greedy, generate_stream, log_softmax, sample_token,
     sample_token_with_logprob, GenerateOptions, GeneratedToken, Sampling,
 };
+pub use kv_cache::KvCache;
 pub use loader::{load_gguf, load_hf_dir, save_hf_weights, ModelBundle};
 pub use lora::{peft_key, Adapter, AdapterSelection, AdapterSet, LoraConfig, LoraInit, LoraTarget};
-pub use model::{argmax_rows, BatchLayout, KvCache, Model, PaddingSide};
+pub use model::{argmax_rows, BatchLayout, Model, PaddingSide};
 pub use tokenizer::{decode, encode, tokenizer_from_file, GgufTokenizerSpec};
 
 /// Re-exported so callers use the same candle and tokenizers versions.
