@@ -616,6 +616,34 @@ mod tests {
         check_grad(&[2, 3, 4], &|x| frozen_linear(x, &w, Some(&b)), 1e-6);
     }
 
+    /// Both layouts compute `x @ w^T` (only the summation order differs): on each side of
+    /// [`rowwise_layout`]'s thresholds, for a tall and a wide weight, in f32 as served.
+    #[test]
+    fn frozen_linear_equals_the_plain_product_on_both_sides_of_the_layout_thresholds() {
+        let dev = Device::Cpu;
+        for (out, in_) in [(96, 32), (32, 96)] {
+            let w = Tensor::randn(0f32, 1.0, (out, in_), &dev).unwrap();
+            for rows in [1, 16, 17, 64, 65] {
+                let x = Tensor::randn(0f32, 1.0, (rows, in_), &dev).unwrap();
+                let got = frozen_linear(&x, &w, None).unwrap();
+                let want = x.matmul(&w.t().unwrap()).unwrap();
+                assert_eq!(got.dims(), &[rows, out]);
+                let err = (got - want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                assert!(err < 1e-4, "rows {rows}, w [{out}, {in_}]: {err}");
+            }
+        }
+        // The rule itself, as measured (docs/experiments/2026-12-07-linear-layouts.md).
+        assert!(rowwise_layout(16, 1536, 576) && !rowwise_layout(17, 1536, 576));
+        assert!(rowwise_layout(64, 576, 1536) && !rowwise_layout(65, 576, 1536));
+    }
+
     #[test]
     fn cross_entropy_backward_matches_finite_differences() {
         let head = Tensor::randn(0f64, 1.0, (11, 4), &Device::Cpu).unwrap();
