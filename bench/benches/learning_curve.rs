@@ -220,6 +220,9 @@ fn print_report(objective: Objective, report: &LearningReport) {
             );
         }
     }
+    if let Some(change) = report.config.scenario.rule_change {
+        print_rule_change(objective, report, change.after_events);
+    }
     if let Some(d) = &report.capability_drift {
         eprintln!(
             "[learning_curve] {}: the base model's capability answers, mean log p per token: {:.3} (base) -> {:.3} (last point), {:+.3} on {} items (the eval gate allows -{:.2})",
@@ -243,6 +246,53 @@ fn print_report(objective: Objective, report: &LearningReport) {
             } else {
                 "within the eval gate's margin"
             },
+        );
+    }
+}
+
+/// The changing-rule scenario's figures: the affected tickets by the new and the old rule,
+/// the others' exact match, and how long the new rule took.
+fn print_rule_change(objective: Objective, report: &LearningReport, after_events: u64) {
+    let Some(first) = report.points.iter().find_map(|p| p.rule_change.as_ref()) else {
+        return;
+    };
+    let name = objective.as_str();
+    eprintln!(
+        "[learning_curve] {name}: the rule changes after {after_events} events; {} held-out tickets affected, {} not",
+        first.affected, first.unaffected
+    );
+    eprintln!(
+        "[learning_curve] {name}: events {}",
+        report
+            .points
+            .iter()
+            .map(|p| p.events.to_string())
+            .collect::<Vec<_>>()
+            .join(" → ")
+    );
+    eprintln!(
+        "[learning_curve] {name}: affected fields answered by the new rule {}, by the old rule {}; affected tickets exact {}",
+        percents(report, |p| p.rule_change.as_ref().map(|r| r.new_rule)),
+        percents(report, |p| p.rule_change.as_ref().map(|r| r.old_rule)),
+        percents(report, |p| p.rule_change.as_ref().map(|r| r.affected_exact)),
+    );
+    eprintln!(
+        "[learning_curve] {name}: unaffected tickets exact (retention) {}",
+        percents(report, |p| p
+            .rule_change
+            .as_ref()
+            .map(|r| r.unaffected_exact)),
+    );
+    eprintln!(
+        "[learning_curve] {name}: events after the change until the new rule holds to the end (half the affected fields, more than the old rule): {}",
+        report
+            .events_to_new_rule
+            .map_or_else(|| "not within the run".to_string(), |e| e.to_string())
+    );
+    if let Some(c) = &report.retention_since_change {
+        eprintln!(
+            "[learning_curve] {name}: unaffected tickets, last version vs the version at the change ({} items, paired): {}",
+            c.items, c.exact_match
         );
     }
 }

@@ -7,13 +7,23 @@ use hindsight_eval::{canonical_arguments, EvalItem, ScorerKind};
 use serde_json::{json, Value};
 
 use super::prompt::{messages, response_format, tools, PromptOptions, Variant};
-use super::sop::resolve;
+use super::sop::Sop;
 use super::tools::lookup;
 use super::world::{Split, Ticket, World};
 
-/// The eval item for one ticket.
+/// The eval item for one ticket under the default SOP.
 pub fn eval_item(world: &World, ticket: &Ticket, options: PromptOptions) -> EvalItem {
-    let resolution = resolve(ticket);
+    eval_item_under(world, ticket, options, &Sop::default())
+}
+
+/// The eval item for one ticket, its expected decision under `sop`.
+pub fn eval_item_under(
+    world: &World,
+    ticket: &Ticket,
+    options: PromptOptions,
+    sop: &Sop,
+) -> EvalItem {
+    let resolution = sop.resolve(ticket);
     let (tools, tool_replay) = match options.variant {
         Variant::Single => (None, None),
         Variant::Multi => {
@@ -59,10 +69,21 @@ pub fn eval_item(world: &World, ticket: &Ticket, options: PromptOptions) -> Eval
 
 /// The first `n` tickets of `split` as eval items.
 pub fn eval_items(world: &World, split: Split, n: usize, options: PromptOptions) -> Vec<EvalItem> {
+    eval_items_under(world, split, n, options, &Sop::default())
+}
+
+/// The first `n` tickets of `split` as eval items, their expected decisions under `sop`.
+pub fn eval_items_under(
+    world: &World,
+    split: Split,
+    n: usize,
+    options: PromptOptions,
+    sop: &Sop,
+) -> Vec<EvalItem> {
     world
         .tickets(split, n)
         .iter()
-        .map(|t| eval_item(world, t, options))
+        .map(|t| eval_item_under(world, t, options, sop))
         .collect()
 }
 

@@ -15,14 +15,15 @@ mod wording;
 mod world;
 
 pub use error::EnvError;
-pub use evalset::{eval_item, eval_items, rules_of};
+pub use evalset::{eval_item, eval_item_under, eval_items, eval_items_under, rules_of};
 pub use prompt::{
     messages, response_format, system_prompt, tools, user_message, PromptOptions, Records, Variant,
 };
 pub use rng::Rng;
 pub use run::{run_env, EnvRunConfig, EnvRunSummary, EpisodeOutcome, FeedbackConfig};
 pub use sop::{
-    resolve, rules_text, Decision, Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES, REFUNDS,
+    resolve, rules_text, Decision, Resolution, Rule, Sop, ALL_RULES, DEPARTMENTS, PRIORITIES,
+    REFUNDS, RETENTION_AFTER_DAYS,
 };
 pub use tools::{lookup, ToolBox};
 pub use user::{critique, react, rule_phrase, value_phrase, CritiqueStyle, Reaction, UserConfig};

@@ -8,8 +8,8 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use hindsight_eval::to_jsonl;
 use hindsight_sim::{
-    eval_items, run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, Records,
-    Split, UserConfig, Variant, World,
+    eval_items_under, run_env, CritiqueStyle, EnvRunConfig, FeedbackConfig, PromptOptions, Records,
+    Sop, Split, UserConfig, Variant, World,
 };
 
 #[derive(Parser)]
@@ -73,6 +73,9 @@ struct SetArgs {
     /// Put the SOP in the system prompt (baseline (b)).
     #[arg(long)]
     with_rules: bool,
+    /// The SOP's retention window in days (a changed rule: expected decisions under it).
+    #[arg(long, default_value_t = hindsight_sim::RETENTION_AFTER_DAYS)]
+    retention_after_days: u32,
     /// Output file (stdout when absent).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -109,6 +112,9 @@ struct RunArgs {
     /// Model calls per episode at most.
     #[arg(long, default_value_t = 6)]
     max_turns: usize,
+    /// The SOP's retention window in days the user judges by (a changed rule).
+    #[arg(long, default_value_t = hindsight_sim::RETENTION_AFTER_DAYS)]
+    retention_after_days: u32,
     /// Sampling temperature.
     #[arg(long, default_value_t = 0.7)]
     temperature: f64,
@@ -193,21 +199,34 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let cmd = cli.command;
     match cmd {
+        Command::EvalSet(a) | Command::TrainSet(a)
+            if a.with_rules && a.retention_after_days != hindsight_sim::RETENTION_AFTER_DAYS =>
+        {
+            anyhow::bail!(
+                "--with-rules states the default SOP; it cannot be combined with --retention-after-days"
+            )
+        }
         Command::EvalSet(a) => {
-            let items = eval_items(
+            let items = eval_items_under(
                 &World::new(a.seed),
                 Split::Eval,
                 a.n,
                 prompt_options(&a.prompt, a.with_rules),
+                &Sop {
+                    retention_after_days: a.retention_after_days,
+                },
             );
             write_or_print(a.out.as_ref(), &to_jsonl(&items)?)?;
         }
         Command::TrainSet(a) => {
-            let items = eval_items(
+            let items = eval_items_under(
                 &World::new(a.seed),
                 Split::Train,
                 a.n,
                 prompt_options(&a.prompt, a.with_rules),
+                &Sop {
+                    retention_after_days: a.retention_after_days,
+                },
             );
             write_or_print(a.out.as_ref(), &to_jsonl(&items)?)?;
         }
@@ -222,6 +241,9 @@ async fn main() -> anyhow::Result<()> {
             cfg.options = prompt_options(&a.prompt, false);
             cfg.tool_failure_rate = a.tool_failure_rate;
             cfg.max_turns = a.max_turns;
+            cfg.sop = Sop {
+                retention_after_days: a.retention_after_days,
+            };
             cfg.temperature = a.temperature;
             if let Some(id) = &a.run_id {
                 cfg.run_id = id.clone();

@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 
 use super::error::EnvError;
 use super::prompt::{messages, response_format, tools, PromptOptions, Variant};
-use super::sop::resolve;
+use super::sop::Sop;
 use super::tools::ToolBox;
 use super::user::{react, Reaction, UserConfig};
 use super::webhook::{feedback_events, FeedbackSender, Target};
@@ -75,6 +75,8 @@ pub struct EnvRunConfig {
     pub feedback: Option<FeedbackConfig>,
     /// The simulated user.
     pub user: UserConfig,
+    /// The SOP the user judges answers by (the default unless a scenario changes a rule).
+    pub sop: Sop,
 }
 
 impl EnvRunConfig {
@@ -98,6 +100,7 @@ impl EnvRunConfig {
             run_id: format!("bench-{}", now_ms()),
             feedback: None,
             user: UserConfig::default(),
+            sop: Sop::default(),
         }
     }
 }
@@ -367,7 +370,7 @@ async fn run_episode(
     index: u64,
 ) -> EpisodeOutcome {
     let ticket = world.ticket(index);
-    let resolution = resolve(&ticket);
+    let resolution = cfg.sop.resolve(&ticket);
     let episode_id = format!("{}-{episode}", cfg.run_id);
     let mut outcome = EpisodeOutcome {
         episode,

@@ -7,7 +7,8 @@ use serde_json::{json, Value};
 
 use super::world::{IssueKind, Ticket, Tier};
 
-/// Orders older than this many days go to retention and are not refunded.
+/// Orders older than this many days go to retention and are not refunded (the default
+/// [`Sop`]'s window).
 pub const RETENTION_AFTER_DAYS: u32 = 30;
 /// Orders at or above this total (cents) are high priority.
 pub const HIGH_VALUE_CENTS: u64 = 50_000;
@@ -101,15 +102,27 @@ impl Rule {
         }
     }
 
-    /// The SOP sentence (used for baseline (b), rules in the system prompt).
-    pub fn sop_text(self) -> &'static str {
+    /// The SOP sentence (used for baseline (b), rules in the system prompt) under `sop`.
+    pub fn sop_text(self, sop: &Sop) -> String {
+        let days = sop.retention_after_days;
+        match self {
+            Rule::OldOrdersToRetention => {
+                format!("Any other order placed more than {days} days ago goes to the retention team.")
+            }
+            Rule::OldOrdersNoRefund => format!(
+                "Otherwise, orders older than {days} days are not refunded (retention offers store credit instead)."
+            ),
+            rule => rule.fixed_text().to_string(),
+        }
+    }
+
+    /// The sentences of the rules without a parameter.
+    fn fixed_text(self) -> &'static str {
         match self {
             Rule::BillingErrorsToBilling => "Duplicate charges always go to billing, whatever the order's age.",
-            Rule::OldOrdersToRetention => "Any other order placed more than 30 days ago goes to the retention team.",
             Rule::DepartmentByIssue => "Otherwise: damaged, wrong or change-of-mind returns go to returns; orders that never arrived go to shipping; products that stopped working go to technical.",
             Rule::DuplicateChargeRefunded => "A duplicate charge gets a full refund (the order total), even for final-sale items or old orders.",
             Rule::FinalSaleNoRefund => "Otherwise, final-sale items are never refunded.",
-            Rule::OldOrdersNoRefund => "Otherwise, orders older than 30 days are not refunded (retention offers store credit instead).",
             Rule::TroubleshootFirst => "Otherwise, products that stopped working are troubleshot first: no refund.",
             Rule::FullRefund => "Otherwise, damaged, wrong or undelivered orders get a full refund (the order total).",
             Rule::RestockingFee => "Otherwise, change-of-mind returns get a partial refund: the total minus a 15% restocking fee.",
@@ -118,6 +131,30 @@ impl Rule {
             Rule::HighValueHigh => "Otherwise, orders totalling $500 or more get high priority.",
             Rule::ChangeOfMindLow => "Otherwise, change-of-mind returns are low priority.",
             Rule::NormalPriority => "Everything else is normal priority.",
+            Rule::OldOrdersToRetention | Rule::OldOrdersNoRefund => "",
+        }
+    }
+}
+
+/// The SOP's adjustable part: the company can change it mid-stream (issue 39's changing-rule
+/// scenario moves the retention window from 30 to 14 days), and every judgement, critique and
+/// eval item is made under one `Sop`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sop {
+    /// Orders older than this many days go to retention and are not refunded.
+    #[serde(default = "default_retention_after_days")]
+    pub retention_after_days: u32,
+}
+
+fn default_retention_after_days() -> u32 {
+    RETENTION_AFTER_DAYS
+}
+
+impl Default for Sop {
+    fn default() -> Self {
+        Self {
+            retention_after_days: RETENTION_AFTER_DAYS,
         }
     }
 }
@@ -155,6 +192,9 @@ pub struct Resolution {
     pub priority_rule: Rule,
     /// Rule that set `refund`.
     pub refund_rule: Rule,
+    /// The SOP it was decided under (critiques quote its window).
+    #[serde(default)]
+    pub sop: Sop,
 }
 
 impl Resolution {
@@ -188,73 +228,86 @@ impl Resolution {
     }
 }
 
-/// Applies the SOP to a ticket.
+/// Applies the default SOP to a ticket.
 pub fn resolve(ticket: &Ticket) -> Resolution {
-    let order = &ticket.order;
-    let old = order.days_since_purchase > RETENTION_AFTER_DAYS;
-    let total_cents = order.total_cents();
-
-    let (department, department_rule) = if ticket.issue == IssueKind::DoubleCharge {
-        ("billing", Rule::BillingErrorsToBilling)
-    } else if old {
-        ("retention", Rule::OldOrdersToRetention)
-    } else {
-        let d = match ticket.issue {
-            IssueKind::Damaged | IssueKind::WrongItem | IssueKind::ChangedMind => "returns",
-            IssueKind::NotArrived => "shipping",
-            IssueKind::NotWorking => "technical",
-            IssueKind::DoubleCharge => "billing",
-        };
-        (d, Rule::DepartmentByIssue)
-    };
-
-    let (refund, refund_rule) = if ticket.issue == IssueKind::DoubleCharge {
-        ("full", Rule::DuplicateChargeRefunded)
-    } else if order.final_sale {
-        ("none", Rule::FinalSaleNoRefund)
-    } else if old {
-        ("none", Rule::OldOrdersNoRefund)
-    } else if ticket.issue == IssueKind::NotWorking {
-        ("none", Rule::TroubleshootFirst)
-    } else if ticket.issue == IssueKind::ChangedMind {
-        ("partial", Rule::RestockingFee)
-    } else {
-        ("full", Rule::FullRefund)
-    };
-
-    let (priority, priority_rule) = if ticket.escalation {
-        ("urgent", Rule::EscalationUrgent)
-    } else if ticket.customer.tier == Tier::Gold {
-        ("high", Rule::GoldHigh)
-    } else if total_cents >= HIGH_VALUE_CENTS {
-        ("high", Rule::HighValueHigh)
-    } else if ticket.issue == IssueKind::ChangedMind {
-        ("low", Rule::ChangeOfMindLow)
-    } else {
-        ("normal", Rule::NormalPriority)
-    };
-
-    Resolution {
-        decision: Decision {
-            department: department.to_string(),
-            priority: priority.to_string(),
-            refund: refund.to_string(),
-        },
-        department_rule,
-        priority_rule,
-        refund_rule,
-    }
+    Sop::default().resolve(ticket)
 }
 
-/// The whole SOP as a numbered list (baseline (b)).
+/// The default SOP as a numbered list (baseline (b)).
 pub fn rules_text() -> String {
-    let mut out = String::from(
-        "Company policy (apply in this order; the first matching rule for each field wins):\n",
-    );
-    for (i, rule) in ALL_RULES.iter().enumerate() {
-        out.push_str(&format!("{}. {}\n", i + 1, rule.sop_text()));
+    Sop::default().rules_text()
+}
+
+impl Sop {
+    /// Applies this SOP to a ticket.
+    pub fn resolve(&self, ticket: &Ticket) -> Resolution {
+        let order = &ticket.order;
+        let old = order.days_since_purchase > self.retention_after_days;
+        let total_cents = order.total_cents();
+
+        let (department, department_rule) = if ticket.issue == IssueKind::DoubleCharge {
+            ("billing", Rule::BillingErrorsToBilling)
+        } else if old {
+            ("retention", Rule::OldOrdersToRetention)
+        } else {
+            let d = match ticket.issue {
+                IssueKind::Damaged | IssueKind::WrongItem | IssueKind::ChangedMind => "returns",
+                IssueKind::NotArrived => "shipping",
+                IssueKind::NotWorking => "technical",
+                IssueKind::DoubleCharge => "billing",
+            };
+            (d, Rule::DepartmentByIssue)
+        };
+
+        let (refund, refund_rule) = if ticket.issue == IssueKind::DoubleCharge {
+            ("full", Rule::DuplicateChargeRefunded)
+        } else if order.final_sale {
+            ("none", Rule::FinalSaleNoRefund)
+        } else if old {
+            ("none", Rule::OldOrdersNoRefund)
+        } else if ticket.issue == IssueKind::NotWorking {
+            ("none", Rule::TroubleshootFirst)
+        } else if ticket.issue == IssueKind::ChangedMind {
+            ("partial", Rule::RestockingFee)
+        } else {
+            ("full", Rule::FullRefund)
+        };
+
+        let (priority, priority_rule) = if ticket.escalation {
+            ("urgent", Rule::EscalationUrgent)
+        } else if ticket.customer.tier == Tier::Gold {
+            ("high", Rule::GoldHigh)
+        } else if total_cents >= HIGH_VALUE_CENTS {
+            ("high", Rule::HighValueHigh)
+        } else if ticket.issue == IssueKind::ChangedMind {
+            ("low", Rule::ChangeOfMindLow)
+        } else {
+            ("normal", Rule::NormalPriority)
+        };
+
+        Resolution {
+            decision: Decision {
+                department: department.to_string(),
+                priority: priority.to_string(),
+                refund: refund.to_string(),
+            },
+            department_rule,
+            priority_rule,
+            refund_rule,
+            sop: *self,
+        }
     }
-    out
+
+    /// The whole SOP as a numbered list (baseline (b)).
+    pub fn rules_text(&self) -> String {
+        let mut out = String::from(
+            "Company policy (apply in this order; the first matching rule for each field wins):\n",
+        );
+        for (i, rule) in ALL_RULES.iter().enumerate() {
+            out.push_str(&format!("{}. {}\n", i + 1, rule.sop_text(self)));
+        }
+        out
+    }
 }
 
 #[cfg(test)]
@@ -302,6 +355,36 @@ mod tests {
                 assert_eq!(r.decision.refund, "none");
             }
         }
+    }
+
+    #[test]
+    fn a_shorter_retention_window_changes_only_the_tickets_between_the_windows() {
+        let w = World::new(3);
+        let new = Sop {
+            retention_after_days: 14,
+        };
+        assert!(new.rules_text().contains("more than 14 days ago"));
+        assert!(!new.rules_text().contains("30 days"));
+        assert!(rules_text().contains("more than 30 days ago"));
+        let mut changed = 0;
+        for t in w.tickets(Split::Train, 400) {
+            let (a, b) = (resolve(&t), new.resolve(&t));
+            assert_eq!(b.sop, new);
+            let days = t.order.days_since_purchase;
+            let between = days > 14 && days <= 30 && t.issue != IssueKind::DoubleCharge;
+            if !between {
+                assert_eq!(a.decision, b.decision, "{days} days, {:?}", t.issue);
+                continue;
+            }
+            changed += 1;
+            assert_eq!(b.decision.department, "retention");
+            assert_eq!(b.department_rule, Rule::OldOrdersToRetention);
+            assert_eq!(b.decision.refund, "none");
+            // Priority is not decided by the window.
+            assert_eq!(a.decision.priority, b.decision.priority);
+        }
+        // A change that matters: about a third of the tickets.
+        assert!((80..200).contains(&changed), "{changed}");
     }
 
     #[test]

@@ -7,7 +7,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::rng::Rng;
-use super::sop::{Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES, REFUNDS};
+use super::sop::{
+    Resolution, Rule, ALL_RULES, DEPARTMENTS, PRIORITIES, REFUNDS, RETENTION_AFTER_DAYS,
+};
 use super::world::Ticket;
 
 /// How explicit a critique is.
@@ -223,8 +225,15 @@ pub fn critique(
 }
 
 /// One natural sentence naming `rule` (several wordings each).
-pub fn rule_phrase(rng: &mut Rng, rule: Rule, ticket: &Ticket, _resolution: &Resolution) -> String {
+pub fn rule_phrase(rng: &mut Rng, rule: Rule, ticket: &Ticket, resolution: &Resolution) -> String {
     let days = ticket.order.days_since_purchase;
+    // The retention window of the SOP the answer was judged under.
+    let window = resolution.sop.retention_after_days;
+    let ago = if window == RETENTION_AFTER_DAYS {
+        "a month".to_string()
+    } else {
+        format!("{window} days")
+    };
     let options: Vec<String> = match rule {
         Rule::BillingErrorsToBilling => vec![
             "A double charge is a billing error, and billing errors always go to the billing team.".into(),
@@ -232,9 +241,9 @@ pub fn rule_phrase(rng: &mut Rng, rule: Rule, ticket: &Ticket, _resolution: &Res
             "Being charged twice is billing's job.".into(),
         ],
         Rule::OldOrdersToRetention => vec![
-            format!("This order is {days} days old; anything older than 30 days goes to the retention team."),
-            "Orders placed more than a month ago are handled by retention, per our policy.".into(),
-            "Old orders (over 30 days) should be routed to retention.".into(),
+            format!("This order is {days} days old; anything older than {window} days goes to the retention team."),
+            format!("Orders placed more than {ago} ago are handled by retention, per our policy."),
+            format!("Old orders (over {window} days) should be routed to retention."),
         ],
         Rule::DepartmentByIssue => vec![
             "Wrong team: damaged, wrong or returned items go to returns, missing parcels to shipping, faulty products to technical.".into(),
@@ -251,9 +260,9 @@ pub fn rule_phrase(rng: &mut Rng, rule: Rule, ticket: &Ticket, _resolution: &Res
             "We don't refund clearance (final-sale) purchases.".into(),
         ],
         Rule::OldOrdersNoRefund => vec![
-            format!("At {days} days this order is past our 30-day window, so no refund; retention offers store credit instead."),
-            "Orders older than 30 days don't get refunded.".into(),
-            "No refunds after 30 days.".into(),
+            format!("At {days} days this order is past our {window}-day window, so no refund; retention offers store credit instead."),
+            format!("Orders older than {window} days don't get refunded."),
+            format!("No refunds after {window} days."),
         ],
         Rule::TroubleshootFirst => vec![
             "For a product that stopped working we troubleshoot first; no refund at this stage.".into(),
@@ -406,6 +415,32 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    #[test]
+    fn critiques_quote_the_window_of_the_sop_the_answer_was_judged_by() {
+        let w = World::new(6);
+        let sop = crate::sop::Sop {
+            retention_after_days: 14,
+        };
+        let cfg = UserConfig::truthful_critic();
+        let mut quoted = 0;
+        for (e, t) in w.tickets(Split::Train, 300).iter().enumerate() {
+            let r = sop.resolve(t);
+            if r.department_rule != Rule::OldOrdersToRetention {
+                continue;
+            }
+            let mut wrong = r.decision.to_json().as_object().unwrap().clone();
+            wrong.insert("department".into(), json!("returns"));
+            let text = react(&cfg, 2, e as u64, t, &r, Some(&wrong))
+                .comment
+                .unwrap();
+            for stale in ["than 30 days", "30-day", "after 30", "over 30", "a month"] {
+                assert!(!text.contains(stale), "{text}");
+            }
+            quoted += usize::from(text.contains("14 days") || text.contains("14-day"));
+        }
+        assert!(quoted >= 5, "{quoted}");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::bail;
 use hindsight_learner::online::LearnerConfig;
 use hindsight_learner::trainer::ObjectiveWeights;
-use hindsight_sim::{CritiqueStyle, Records};
+use hindsight_sim::{CritiqueStyle, Records, Sop};
 use serde::{Deserialize, Serialize};
 
 /// Which objectives learn from the feedback: the learner's configured mix, or one alone for a
@@ -116,6 +116,46 @@ pub struct Scenario {
     /// (about a second per probed ticket on this CPU).
     #[serde(default = "yes")]
     pub prior_probe: bool,
+    /// A business rule that changes mid-stream (none by default): the simulated user judges
+    /// by the new SOP from `after_events` on, and the held-out tickets are scored by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule_change: Option<RuleChange>,
+}
+
+/// The changing-rule scenario (issue 39, item 3): the retention window moves (30 → 14 days
+/// in the measured run) after some feedback events. Tickets between the two windows change
+/// department and refund; every other ticket keeps its decision, which measures retention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleChange {
+    /// Feedback events judged by the old SOP before the change.
+    pub after_events: u64,
+    /// The new retention window, in days.
+    pub retention_after_days: u32,
+}
+
+impl Scenario {
+    /// The SOP the user judges the episode of index `event` by.
+    pub fn sop_at(&self, event: u64) -> Sop {
+        match self.rule_change {
+            Some(c) if event >= c.after_events => c.new_sop(),
+            _ => Sop::default(),
+        }
+    }
+
+    /// The SOP at the end of the run: what the held-out tickets are scored by.
+    pub fn final_sop(&self) -> Sop {
+        self.rule_change.map_or_else(Sop::default, |c| c.new_sop())
+    }
+}
+
+impl RuleChange {
+    /// The SOP after the change.
+    pub fn new_sop(&self) -> Sop {
+        Sop {
+            retention_after_days: self.retention_after_days,
+        }
+    }
 }
 
 fn default_events() -> u64 {
@@ -156,6 +196,7 @@ impl Default for Scenario {
             noise_rate: 0.0,
             records: Records::default(),
             prior_probe: true,
+            rule_change: None,
         }
     }
 }
@@ -186,6 +227,23 @@ impl BenchFile {
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         if file.scenario.eval_every == 0 || file.scenario.events == 0 {
             bail!("config key `scenario.events` / `scenario.eval_every`: must be >= 1");
+        }
+        if let Some(c) = file.scenario.rule_change {
+            if c.after_events == 0 || c.after_events >= file.scenario.events {
+                bail!(
+                    "config key `scenario.rule_change.after_events`: must be between 1 and \
+                     `scenario.events` - 1 (got {})",
+                    c.after_events
+                );
+            }
+            if c.retention_after_days == 0 || c.new_sop() == Sop::default() {
+                bail!(
+                    "config key `scenario.rule_change.retention_after_days`: must be >= 1 and \
+                     differ from the default SOP's {} (got {})",
+                    Sop::default().retention_after_days,
+                    c.retention_after_days
+                );
+            }
         }
         Ok(file)
     }

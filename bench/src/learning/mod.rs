@@ -27,16 +27,18 @@ use services::{learner_setup, services_listen, start_capture, start_serve, uniqu
 
 mod config;
 mod plot;
+mod rule_change;
 mod services;
 #[cfg(test)]
 mod tests;
 
-pub use config::{BenchFile, LearningConfig, Objective, Scenario};
+pub use config::{BenchFile, LearningConfig, Objective, RuleChange, Scenario};
 use hindsight_sim::{
-    eval_items, run_env, EnvRunConfig, EnvRunSummary, FeedbackConfig, PromptOptions, Records,
-    Split, UserConfig, World,
+    eval_items_under, run_env, EnvRunConfig, EnvRunSummary, FeedbackConfig, PromptOptions, Records,
+    Sop, Split, UserConfig, World,
 };
 pub use plot::plot;
+pub use rule_change::{events_to_new_rule, RuleChangeMeter, RuleChangeScore};
 
 /// One point of the curve.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -85,6 +87,10 @@ pub struct CurvePoint {
     pub version: Option<u64>,
     /// Seconds since the run started.
     pub wall_s: f64,
+    /// In a changing-rule run: the affected tickets' answers by the new and the old rule, and
+    /// exact match on the others.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule_change: Option<RuleChangeScore>,
 }
 
 impl CurvePoint {
@@ -161,10 +167,11 @@ impl ConstantBaseline {
     pub fn compute(
         world: &World,
         options: PromptOptions,
+        sop: &Sop,
         eval: &EvalSet,
         trained: Option<&EvalSet>,
     ) -> anyhow::Result<Self> {
-        let train = eval_items(world, Split::Train, CONSTANT_BASELINE_TICKETS, options);
+        let train = eval_items_under(world, Split::Train, CONSTANT_BASELINE_TICKETS, options, sop);
         let mut counts: BTreeMap<String, usize> = BTreeMap::new();
         for item in &train {
             *counts
@@ -322,6 +329,15 @@ pub struct LearningReport {
     /// under the base (the gate rejects a drop over `max_logprob_drop` nats per token).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capability_drift: Option<Drift>,
+    /// In a changing-rule run: feedback events after the change until the affected held-out
+    /// tickets follow the new rule for good ([`events_to_new_rule`]); `None` when the run never
+    /// got there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events_to_new_rule: Option<u64>,
+    /// In a changing-rule run: exact match on the held-out tickets the change leaves alone,
+    /// the last version against the one evaluated at the change, paired (retention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention_since_change: Option<Comparison>,
 }
 
 /// Wall seconds by phase of a run (they add up to about `wall_s`; the learner trains during
@@ -361,20 +377,30 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     let started = Instant::now();
     let options = single_turn(sc.records);
     let world = World::new(sc.seed);
+    // The held-out tickets are scored by the SOP in force at the end (after a rule change).
+    let sop = sc.final_sop();
     let set = EvalSet::from_items(
         "support-eval",
-        eval_items(&world, Split::Eval, sc.eval_items, options),
+        eval_items_under(&world, Split::Eval, sc.eval_items, options, &sop),
     )?;
 
     let train_set = match sc.train_eval_items {
         0 => None,
         n => Some(EvalSet::from_items(
             "support-trained",
-            eval_items(&world, Split::Train, n, options),
+            eval_items_under(&world, Split::Train, n, options, &sop),
         )?),
     };
 
-    let constant_baseline = ConstantBaseline::compute(&world, options, &set, train_set.as_ref())?;
+    let constant_baseline =
+        ConstantBaseline::compute(&world, options, &sop, &set, train_set.as_ref())?;
+    let rule_change = sc.rule_change.map(|c| {
+        RuleChangeMeter::new(
+            world.tickets(Split::Eval, sc.eval_items),
+            Sop::default(),
+            c.new_sop(),
+        )
+    });
     let probe = prior_probe(&cfg, &set, train_set.as_ref(), &constant_baseline)?;
     let (serve_url, base_name, stop_serve) = start_serve(cfg.model_path()).await?;
     let capability = builtin_capability_set()?;
@@ -389,6 +415,7 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         constant: &constant_baseline.answer,
         probe,
         serve_url: &serve_url,
+        rule_change: rule_change.as_ref(),
     };
     let t = Instant::now();
     let base = meter.measure(&base_name, None).await?;
@@ -433,9 +460,16 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     let mut live: Option<u64> = None;
     // The last point's eval runs, compared with the base model's at the end.
     let mut last: Option<Measured> = None;
+    // In a changing-rule run, the held-out answers of the version at the change.
+    let mut at_change: Option<RunReport> = None;
     let mut sent = 0u64;
     while sent < sc.events {
-        let n = sc.eval_every.min(sc.events - sent);
+        let mut n = sc.eval_every.min(sc.events - sent);
+        // A chunk never straddles a rule change: one SOP judges it, and a point measures the
+        // version trained on the old rule alone.
+        if let Some(c) = sc.rule_change.filter(|c| sent < c.after_events) {
+            n = n.min(c.after_events - sent);
+        }
         let model = if live.is_some() {
             adapter_name.clone()
         } else {
@@ -482,6 +516,9 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
             "Evaluated."
         );
         points.push(meter.point(&m, sent, tally.examples, Some(version), started));
+        if sc.rule_change.is_some_and(|c| c.after_events == sent) {
+            at_change = Some(m.report.clone());
+        }
         last = Some(m);
     }
     // What the last version still knows outside the task.
@@ -519,6 +556,19 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
     let train_s = tally.train_ms as f64 / 1000.0;
     let (held_out_vs_base, trained_vs_base, history_vs_base) =
         compare_with_base(&set, &base, last.as_ref(), sc.seed)?;
+    let retention_since_change = match (&rule_change, &at_change, &last) {
+        (Some(meter), Some(before), Some(after)) => {
+            meter.retention(before, &after.report, sc.seed)?
+        }
+        _ => None,
+    };
+    let events_to_new_rule = sc.rule_change.and_then(|c| {
+        let scores: Vec<_> = points
+            .iter()
+            .map(|p| (p.events, p.rule_change.as_ref()))
+            .collect();
+        events_to_new_rule(&scores, c.after_events)
+    });
     Ok(LearningReport {
         config: cfg,
         points,
@@ -540,6 +590,8 @@ pub async fn run_learning(cfg: LearningConfig) -> anyhow::Result<LearningReport>
         history_vs_base,
         capability_vs_base,
         capability_drift,
+        events_to_new_rule,
+        retention_since_change,
     })
 }
 
@@ -618,6 +670,8 @@ fn untrained_report(
         history_vs_base: None,
         capability_vs_base: None,
         capability_drift: None,
+        events_to_new_rule: None,
+        retention_since_change: None,
     }
 }
 
@@ -638,6 +692,7 @@ struct Meter<'a> {
     constant: &'a serde_json::Value,
     probe: Option<Arc<PriorProbe>>,
     serve_url: &'a str,
+    rule_change: Option<&'a RuleChangeMeter>,
 }
 
 impl Meter<'_> {
@@ -722,6 +777,7 @@ impl Meter<'_> {
             passed: passed_items(report),
             version,
             wall_s: started.elapsed().as_secs_f64(),
+            rule_change: self.rule_change.and_then(|r| r.score(self.set, report)),
         }
     }
 }
@@ -759,6 +815,7 @@ async fn send_traffic(
         thanks_rate: 0.0,
         critique_style: sc.critique_style,
     };
+    env.sop = sc.sop_at(first);
     let summary = run_env(env).await?;
     if summary.feedback_failures > 0 {
         bail!(

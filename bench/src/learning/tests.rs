@@ -6,13 +6,14 @@ use super::plot::wrap_label;
 use super::services::{service_addrs, services_listen};
 use super::*;
 use hindsight_learner::online::LearnerConfig;
+use hindsight_sim::eval_items;
 
 #[test]
 fn the_constant_baseline_is_the_most_common_training_decision_scored_by_the_eval() {
     let world = World::new(0);
     let options = single_turn(Records::Json);
     let eval = EvalSet::from_items("e", eval_items(&world, Split::Eval, 40, options)).unwrap();
-    let b = ConstantBaseline::compute(&world, options, &eval, None).unwrap();
+    let b = ConstantBaseline::compute(&world, options, &Sop::default(), &eval, None).unwrap();
     let train = eval_items(&world, Split::Train, CONSTANT_BASELINE_TICKETS, options);
     let share = |v: &serde_json::Value| {
         train.iter().filter(|t| &t.expected == v).count() as f64 / train.len() as f64
@@ -33,7 +34,14 @@ fn exact_beyond_the_constant_answer_counts_only_the_other_tickets() {
         eval_items(&world, Split::Eval, 40, single_turn(Records::Json)),
     )
     .unwrap();
-    let b = ConstantBaseline::compute(&world, single_turn(Records::Json), &eval, None).unwrap();
+    let b = ConstantBaseline::compute(
+        &world,
+        single_turn(Records::Json),
+        &Sop::default(),
+        &eval,
+        None,
+    )
+    .unwrap();
     let expected: Vec<&serde_json::Value> = eval.items.iter().map(|i| &i.expected).collect();
     let others = expected.iter().filter(|e| ***e != b.answer).count();
     assert!(others > 0 && others < 40, "{others}");
@@ -97,6 +105,7 @@ fn a_longer_eval_set_starts_with_the_shorter_one_and_its_prefix_is_scored_alone(
         passed,
         version: None,
         wall_s: 0.0,
+        rule_change: None,
     };
     assert!((point.exact_on_first(HISTORY_EVAL_ITEMS) - 7.0 / 20.0).abs() < 1e-12);
     assert!((point.exact_on_first(60) - point.exact_match).abs() < 1e-12);
@@ -306,4 +315,65 @@ fn the_bench_reads_experimental_knobs_and_refuses_removed_ones() {
     .unwrap_err()
     .to_string();
     assert!(edit.contains("unknown variant `edit`"), "{edit}");
+}
+
+/// The changing-rule scenario is read like every other setting, splits the stream between the
+/// two SOPs at its event, and refuses a change that is no change or falls outside the run.
+#[test]
+fn a_rule_change_is_read_from_the_config_and_refused_when_it_cannot_happen() {
+    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let f = BenchFile::load(
+        None,
+        env(&[
+            ("HINDSIGHT_SCENARIO__EVENTS", "96"),
+            ("HINDSIGHT_SCENARIO__RULE_CHANGE__AFTER_EVENTS", "32"),
+            (
+                "HINDSIGHT_SCENARIO__RULE_CHANGE__RETENTION_AFTER_DAYS",
+                "14",
+            ),
+        ]),
+    )
+    .unwrap();
+    let sc = &f.scenario;
+    assert_eq!(
+        sc.rule_change,
+        Some(RuleChange {
+            after_events: 32,
+            retention_after_days: 14
+        })
+    );
+    assert_eq!(sc.sop_at(31), Sop::default());
+    assert_eq!(sc.sop_at(32).retention_after_days, 14);
+    assert_eq!(sc.final_sop().retention_after_days, 14);
+    assert_eq!(Scenario::default().final_sop(), Sop::default());
+    let label = LearningConfig::from_file(Objective::Default, f, "/tmp").label();
+    assert!(label.contains("rule_change"), "{label}");
+
+    for (key, value, events) in [
+        ("AFTER_EVENTS", "64", "64"),
+        ("AFTER_EVENTS", "0", "64"),
+        ("RETENTION_AFTER_DAYS", "30", "96"),
+    ] {
+        let mut pairs = vec![
+            ("HINDSIGHT_SCENARIO__EVENTS", events),
+            ("HINDSIGHT_SCENARIO__RULE_CHANGE__AFTER_EVENTS", "32"),
+            (
+                "HINDSIGHT_SCENARIO__RULE_CHANGE__RETENTION_AFTER_DAYS",
+                "14",
+            ),
+        ];
+        let name = format!("HINDSIGHT_SCENARIO__RULE_CHANGE__{key}");
+        pairs.retain(|(k, _)| *k != name);
+        pairs.push((&name, value));
+        let err = BenchFile::load(None, env(&pairs)).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("scenario.rule_change.{}", key.to_lowercase())),
+            "{key}={value}: {err}"
+        );
+    }
 }
