@@ -204,6 +204,7 @@ impl AdamW {
 mod tests {
     use super::*;
     use candle_core::Device;
+    use hindsight_model::testing::max_abs_diff;
     use hindsight_model::{Architecture, ModelConfig};
     use hindsight_model::{LoraConfig, LoraInit, LoraTarget};
 
@@ -293,14 +294,7 @@ mod tests {
         }
         let (ta, tb) = (a.tensors().unwrap(), b.tensors().unwrap());
         for (k, t) in ta {
-            let d = (t - &tb[&k])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let d = max_abs_diff(&t, &tb[&k]).unwrap();
             assert_eq!(d, 0.0, "{k} diverged after restoring the optimizer");
         }
         // A fresh optimizer would not have produced the same weights.
@@ -313,17 +307,11 @@ mod tests {
         for _ in 0..3 {
             oc2.step(&c, &sq_grads(&c)).unwrap();
         }
-        let any_diff = c.tensors().unwrap().iter().any(|(k, t)| {
-            (t - &a.tensors().unwrap()[k])
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-                > 0.0
-        });
+        let any_diff = c
+            .tensors()
+            .unwrap()
+            .iter()
+            .any(|(k, t)| max_abs_diff(t, &a.tensors().unwrap()[k]).unwrap() > 0.0);
         assert!(
             any_diff,
             "cold moments must change the trajectory (test would be vacuous)"

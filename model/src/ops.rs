@@ -544,6 +544,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::max_abs_diff;
     use candle_core::{Device, Var};
 
     /// Central finite differences of `sum(f(x) * probe)` against the analytic gradient.
@@ -628,14 +629,7 @@ mod tests {
                 let got = frozen_linear(&x, &w, None).unwrap();
                 let want = x.matmul(&w.t().unwrap()).unwrap();
                 assert_eq!(got.dims(), &[rows, out]);
-                let err = (got - want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
+                let err = max_abs_diff(&got, &want).unwrap();
                 assert!(err < 1e-4, "rows {rows}, w [{out}, {in_}]: {err}");
             }
         }
@@ -862,13 +856,11 @@ mod tests {
             .unwrap()
             .broadcast_mul(&w)
             .unwrap();
-        let diff = (a - r).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
+        assert!(max_abs_diff(&a, &r).unwrap() < 1e-5);
         let cos = Tensor::randn(0f32, 1.0, (4, 4), &dev).unwrap();
         let sin = Tensor::randn(0f32, 1.0, (4, 4), &dev).unwrap();
         let a = rope(&x, &cos, &sin).unwrap();
         let r = candle_nn::rotary_emb::rope_slow(&x, &cos, &sin).unwrap();
-        let diff = (a - r).unwrap().abs().unwrap().max_all().unwrap();
-        assert!(diff.to_scalar::<f32>().unwrap() < 1e-5);
+        assert!(max_abs_diff(&a, &r).unwrap() < 1e-5);
     }
 }

@@ -1,6 +1,6 @@
 //! Fixtures for the tests of this crate and of the crates built on it (`serve`, ...): a tiny
-//! byte-level BPE tokenizer, a tiny model config whose vocabulary covers it, and the real
-//! default model's path when it is installed.
+//! byte-level BPE tokenizer, a tiny model config whose vocabulary covers it, the real default
+//! model's path when it is installed, and the element-wise comparison the numeric tests share.
 //!
 //! Compiled only with the `testing` feature, which crates enable from their
 //! `[dev-dependencies]`; nothing here is part of the production surface.
@@ -8,6 +8,7 @@
 use std::io;
 use std::path::PathBuf;
 
+use candle_core::{DType, Tensor};
 use tokenizers::Tokenizer;
 
 use crate::config::{Architecture, ModelConfig};
@@ -110,4 +111,15 @@ mod tests {
         assert_eq!(ids[0], 1);
         assert!(ids.iter().all(|&id| (id as usize) < cfg.vocab_size));
     }
+}
+
+/// The largest absolute element-wise difference between two tensors of one shape (any float
+/// dtype, read as f32): how the tests compare two computations of the same values.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    Ok((a - b)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?)
 }

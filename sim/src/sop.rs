@@ -2,6 +2,8 @@
 //! resolution of a ticket. The deployed agent is not told them; the simulated user's
 //! critiques name them one at a time; baseline (b) puts them all in the system prompt.
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -102,36 +104,30 @@ impl Rule {
         }
     }
 
-    /// The SOP sentence (used for baseline (b), rules in the system prompt) under `sop`.
-    pub fn sop_text(self, sop: &Sop) -> String {
+    /// The SOP sentence (used for baseline (b), rules in the system prompt) under `sop`: the
+    /// retention rules state its window, the others are fixed text.
+    pub fn sop_text(self, sop: &Sop) -> Cow<'static, str> {
         let days = sop.retention_after_days;
         match self {
             Rule::OldOrdersToRetention => {
-                format!("Any other order placed more than {days} days ago goes to the retention team.")
+                format!("Any other order placed more than {days} days ago goes to the retention team.").into()
             }
             Rule::OldOrdersNoRefund => format!(
                 "Otherwise, orders older than {days} days are not refunded (retention offers store credit instead)."
-            ),
-            rule => rule.fixed_text().to_string(),
-        }
-    }
-
-    /// The sentences of the rules without a parameter.
-    fn fixed_text(self) -> &'static str {
-        match self {
-            Rule::BillingErrorsToBilling => "Duplicate charges always go to billing, whatever the order's age.",
-            Rule::DepartmentByIssue => "Otherwise: damaged, wrong or change-of-mind returns go to returns; orders that never arrived go to shipping; products that stopped working go to technical.",
-            Rule::DuplicateChargeRefunded => "A duplicate charge gets a full refund (the order total), even for final-sale items or old orders.",
-            Rule::FinalSaleNoRefund => "Otherwise, final-sale items are never refunded.",
-            Rule::TroubleshootFirst => "Otherwise, products that stopped working are troubleshot first: no refund.",
-            Rule::FullRefund => "Otherwise, damaged, wrong or undelivered orders get a full refund (the order total).",
-            Rule::RestockingFee => "Otherwise, change-of-mind returns get a partial refund: the total minus a 15% restocking fee.",
-            Rule::EscalationUrgent => "A ticket that threatens a chargeback, a bank or card dispute, or legal action is urgent.",
-            Rule::GoldHigh => "Otherwise, gold-tier customers get high priority.",
-            Rule::HighValueHigh => "Otherwise, orders totalling $500 or more get high priority.",
-            Rule::ChangeOfMindLow => "Otherwise, change-of-mind returns are low priority.",
-            Rule::NormalPriority => "Everything else is normal priority.",
-            Rule::OldOrdersToRetention | Rule::OldOrdersNoRefund => "",
+            )
+            .into(),
+            Rule::BillingErrorsToBilling => "Duplicate charges always go to billing, whatever the order's age.".into(),
+            Rule::DepartmentByIssue => "Otherwise: damaged, wrong or change-of-mind returns go to returns; orders that never arrived go to shipping; products that stopped working go to technical.".into(),
+            Rule::DuplicateChargeRefunded => "A duplicate charge gets a full refund (the order total), even for final-sale items or old orders.".into(),
+            Rule::FinalSaleNoRefund => "Otherwise, final-sale items are never refunded.".into(),
+            Rule::TroubleshootFirst => "Otherwise, products that stopped working are troubleshot first: no refund.".into(),
+            Rule::FullRefund => "Otherwise, damaged, wrong or undelivered orders get a full refund (the order total).".into(),
+            Rule::RestockingFee => "Otherwise, change-of-mind returns get a partial refund: the total minus a 15% restocking fee.".into(),
+            Rule::EscalationUrgent => "A ticket that threatens a chargeback, a bank or card dispute, or legal action is urgent.".into(),
+            Rule::GoldHigh => "Otherwise, gold-tier customers get high priority.".into(),
+            Rule::HighValueHigh => "Otherwise, orders totalling $500 or more get high priority.".into(),
+            Rule::ChangeOfMindLow => "Otherwise, change-of-mind returns are low priority.".into(),
+            Rule::NormalPriority => "Everything else is normal priority.".into(),
         }
     }
 }
@@ -346,7 +342,7 @@ mod tests {
             let r = resolve(&t);
             assert!(REFUNDS.contains(&r.decision.refund.as_str()));
             let expected = match r.refund_rule {
-                Rule::RestockingFee => "partial",
+                Rule::RestockingFee => "partial".into(),
                 Rule::DuplicateChargeRefunded | Rule::FullRefund => "full",
                 _ => "none",
             };

@@ -8,6 +8,14 @@ use super::*;
 use hindsight_learner::online::LearnerConfig;
 use hindsight_sim::eval_items;
 
+/// Environment overrides as `BenchFile::load` takes them.
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
 #[test]
 fn the_constant_baseline_is_the_most_common_training_decision_scored_by_the_eval() {
     let world = World::new(0);
@@ -218,12 +226,6 @@ fn curve_labels_name_what_differs_from_the_defaults() {
 
 #[test]
 fn the_bench_reads_the_learner_config_and_fails_loudly_on_a_bad_value() {
-    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    };
     let f = BenchFile::load(
         None,
         env(&[
@@ -256,12 +258,6 @@ fn the_bench_reads_the_learner_config_and_fails_loudly_on_a_bad_value() {
 /// every comparison are refused by name.
 #[test]
 fn the_bench_reads_experimental_knobs_and_refuses_removed_ones() {
-    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    };
     let f = BenchFile::load(
         None,
         env(&[
@@ -321,12 +317,6 @@ fn the_bench_reads_experimental_knobs_and_refuses_removed_ones() {
 /// two SOPs at its event, and refuses a change that is no change or falls outside the run.
 #[test]
 fn a_rule_change_is_read_from_the_config_and_refused_when_it_cannot_happen() {
-    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    };
     let f = BenchFile::load(
         None,
         env(&[

@@ -35,16 +35,5 @@ pub fn logits(model: &Model, rows: &[&[u32]], adapters: &AdapterSelection) -> Te
 }
 
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    hindsight_model::testing::max_abs_diff(a, b).unwrap()
 }

@@ -69,14 +69,7 @@ fn weights(sft: f64, kto: f64, distill: f64, dense: f64) -> TrainerConfig {
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
+    hindsight_model::testing::max_abs_diff(a, b).unwrap()
 }
 
 /// The teacher's logits over `ans` after `ctx` from one full pass (no graph).
