@@ -86,6 +86,17 @@ pub fn default_model_path() -> Result<PathBuf> {
     }
 }
 
+/// The largest absolute element-wise difference between two tensors of one shape (any float
+/// dtype, read as f32): how the tests compare two computations of the same values.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    Ok((a - b)?
+        .abs()?
+        .flatten_all()?
+        .max(0)?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -111,15 +122,4 @@ mod tests {
         assert_eq!(ids[0], 1);
         assert!(ids.iter().all(|&id| (id as usize) < cfg.vocab_size));
     }
-}
-
-/// The largest absolute element-wise difference between two tensors of one shape (any float
-/// dtype, read as f32): how the tests compare two computations of the same values.
-pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
-    Ok((a - b)?
-        .abs()?
-        .flatten_all()?
-        .max(0)?
-        .to_dtype(DType::F32)?
-        .to_scalar::<f32>()?)
 }
