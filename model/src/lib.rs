@@ -12,6 +12,7 @@ mod kv_cache;
 mod loader;
 mod lora;
 mod model;
+mod quant;
 mod tokenizer;
 
 pub mod grammar;
@@ -31,6 +32,7 @@ pub use kv_cache::KvCache;
 pub use loader::{load_gguf, load_hf_dir, save_hf_weights, ModelBundle};
 pub use lora::{peft_key, Adapter, AdapterSelection, AdapterSet, LoraConfig, LoraInit, LoraTarget};
 pub use model::{argmax_rows, BatchLayout, Model, PaddingSide};
+pub use quant::{QuantKind, QuantWeight};
 pub use tokenizer::{decode, encode, tokenizer_from_file, GgufTokenizerSpec};
 
 /// Re-exported so callers use the same candle and tokenizers versions.

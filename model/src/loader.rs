@@ -14,6 +14,7 @@ use crate::chat::ChatTemplate;
 use crate::config::{Architecture, HfConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::model::Model;
+use crate::quant::QuantWeight;
 use crate::tokenizer::{tokenizer_from_file, GgufTokenizerSpec};
 
 /// A loaded model with everything needed to talk to it.
@@ -95,7 +96,20 @@ fn unpermute(t: &Tensor, heads: usize) -> Result<Tensor> {
         .reshape(dims)?)
 }
 
-/// Loads a GGUF file: dequantizes every tensor, maps llama.cpp names to HF names and rebuilds
+/// The row order [`unpermute`] gives a matrix of `rows` rows: row `i` of the result is row
+/// `order[i]` of the file's.
+fn unpermuted_order(rows: usize, heads: usize) -> Result<Vec<usize>> {
+    let index = Tensor::arange(0u32, rows as u32, &Device::Cpu)?.reshape((rows, 1))?;
+    Ok(unpermute(&index, heads)?
+        .flatten_all()?
+        .to_vec1::<u32>()?
+        .into_iter()
+        .map(|i| i as usize)
+        .collect())
+}
+
+/// Loads a GGUF file: dequantizes every tensor (on a CPU the quantized matrices also keep their
+/// blocks, which decoding multiplies with: `Model::attach_quantized`), maps llama.cpp names to HF names and rebuilds
 /// the tokenizer and chat template from the metadata.
 pub fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<ModelBundle> {
     let mut file =
@@ -144,6 +158,9 @@ pub fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<ModelBund
     cfg.check()?;
     let permuted = matches!(architecture, Architecture::Llama | Architecture::Mistral);
     let mut tensors = HashMap::new();
+    // The blocks of the quantized matrices, kept for decoding on the CPU (see `quant.rs`).
+    let keep_blocks = device.is_cpu();
+    let mut blocks = HashMap::new();
     let names: Vec<String> = content.tensor_infos.keys().cloned().collect();
     for name in names {
         let Some(hf) = gguf_to_hf_name(&name) else {
@@ -151,17 +168,32 @@ pub fn load_gguf(path: &Path, dtype: DType, device: &Device) -> Result<ModelBund
         };
         let q = content.tensor(&mut file, &name, &Device::Cpu)?;
         let mut t = q.dequantize(&Device::Cpu)?;
-        if permuted {
-            if name.contains(".attn_q.") {
-                t = unpermute(&t, num_heads)?;
-            } else if name.contains(".attn_k.") {
-                t = unpermute(&t, num_kv_heads)?;
+        let heads = match (
+            permuted,
+            name.contains(".attn_q."),
+            name.contains(".attn_k."),
+        ) {
+            (true, true, _) => Some(num_heads),
+            (true, _, true) => Some(num_kv_heads),
+            _ => None,
+        };
+        if let Some(h) = heads {
+            t = unpermute(&t, h)?;
+        }
+        if keep_blocks {
+            if let Some(mut w) = QuantWeight::from_qtensor(&q)? {
+                if let Some(h) = heads {
+                    w = w.rows_in_order(&unpermuted_order(w.dims().0, h)?)?;
+                }
+                blocks.insert(hf.clone(), w);
             }
         }
         tensors.insert(hf, t);
     }
-    let model = Model::from_tensors(cfg.clone(), &tensors, dtype, device)?;
+    let mut model = Model::from_tensors(cfg.clone(), &tensors, dtype, device)?;
     drop(tensors);
+    model.attach_quantized(&blocks)?;
+    drop(blocks);
 
     let spec = GgufTokenizerSpec {
         model: meta(&content, "tokenizer.ggml.model")?.to_string()?.clone(),

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Shape, Tensor, D};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Shape, Tensor, D};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
@@ -14,6 +14,7 @@ use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::lora::{Adapter, AdapterSelection, LoraTarget};
 use crate::ops;
+use crate::quant::QuantWeight;
 
 // The submodule and parameter names of an HF Llama checkpoint. The constructors read weights
 // below these paths and `Model::visit` names them with the same paths, so loading, saving and
@@ -192,8 +193,9 @@ impl SimpleBackend for RandomWeights {
 pub(crate) struct Linear {
     pub(crate) w: Tensor,
     pub(crate) b: Option<Tensor>,
-    /// Quantized copy of `w` for inference (see [`Model::quantize_for_inference`]).
-    pub(crate) q: Option<QMatMul>,
+    /// Quantized blocks of `w` for inference: the GGUF's own (`load_gguf`) or
+    /// [`Model::quantize_for_inference`]'s.
+    pub(crate) q: Option<QuantWeight>,
 }
 
 impl Linear {
@@ -218,11 +220,11 @@ impl Linear {
         }
     }
 
-    /// `x @ w^T + b`; the quantized copy serves inference when present.
+    /// `x @ w^T + b`; the quantized blocks serve inference on few rows when present.
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        match (&self.q, train) {
-            (Some(q), false) => {
-                let y = q.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
+        match &self.q {
+            Some(q) if !train && quantized_rows(x) => {
+                let y = quantized_product(q, x)?;
                 Ok(match &self.b {
                     Some(b) => y.broadcast_add(b)?,
                     None => y,
@@ -231,6 +233,30 @@ impl Linear {
             _ => Ok(ops::frozen_linear(x, &self.w, self.b.as_ref())?),
         }
     }
+}
+
+/// Input rows up to which the quantized kernel beats the f32 product (decode steps; a
+/// prompt's prefill multiplies hundreds of rows, where gemm's f32 kernels are faster). Measured
+/// with `cargo run --release -p hindsight-model --example linear_layouts`.
+pub(crate) const QUANT_MAX_ROWS: usize = 16;
+
+/// Whether `x` (`[..., in]`) may take the quantized kernel: a CPU tensor that tracks no
+/// gradient (the kernel has no backward) with at most [`QUANT_MAX_ROWS`] rows.
+fn quantized_rows(x: &Tensor) -> bool {
+    let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+    !x.track_op() && x.device().is_cpu() && rows <= QUANT_MAX_ROWS
+}
+
+/// `x @ q^T` for `x` of shape `[..., in]`, in `x`'s dtype.
+fn quantized_product(q: &QuantWeight, x: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let inp = dims.last().copied().unwrap_or(1);
+    let y = q.matmul_t(&x.reshape(((), inp))?)?;
+    let mut out = dims.to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = q.dims().0;
+    }
+    Ok(y.reshape(out)?.to_dtype(x.dtype())?)
 }
 
 /// Whether the configuration gives projection `t` a bias.
@@ -392,7 +418,7 @@ pub struct Model {
     pub(crate) layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Tensor,
-    lm_head_q: Option<QMatMul>,
+    lm_head_q: Option<QuantWeight>,
     cos: Tensor,
     sin: Tensor,
     dtype: DType,
@@ -615,40 +641,82 @@ impl Model {
     /// Logits (f32) for hidden states `[..., hidden]`.
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.lm_head_q {
-            Some(q) if !hidden.track_op() => {
-                let d = hidden.dims().to_vec();
-                let x = hidden.reshape(((), self.cfg.hidden_size))?;
-                let y = q.forward(&x.to_dtype(DType::F32)?)?;
-                let mut out = d;
-                let last = out.len() - 1;
-                out[last] = self.cfg.vocab_size;
-                Ok(y.reshape(out)?)
+            Some(q) if quantized_rows(hidden) => {
+                Ok(quantized_product(q, &hidden.to_dtype(DType::F32)?)?)
             }
             _ => Ok(ops::frozen_linear(hidden, &self.lm_head, None)?.to_dtype(DType::F32)?),
         }
     }
 
     /// Adds quantized copies (`dtype`, e.g. `GgmlDType::Q8_0`) of the projection and LM-head
-    /// weights, used by the inference paths ([`Model::forward`], [`Model::forward_last`], and
-    /// `hidden(.., train = false)`): decoding a single stream on a CPU is bound by reading the
-    /// weights, and Q8_0 reads a quarter of f32's bytes. Matrices whose input width is not a
-    /// multiple of the quantization block stay in f32. Training keeps the f32 weights and exact
-    /// gradients. Logits move slightly (Q8_0 rounding); merge adapters before quantizing.
+    /// weights, for the inference paths on few rows ([`QUANT_MAX_ROWS`]: decode steps).
+    /// Training keeps the f32 weights and exact gradients. Unlike the GGUF's own blocks
+    /// (which `load_gguf` attaches, and which equal the f32 weights), re-quantized weights move
+    /// the logits slightly; merge adapters before quantizing. Matrices whose input width is not
+    /// a multiple of the block, and formats other than Q4_1 and Q8_0, stay in f32.
     pub fn quantize_for_inference(&mut self, dtype: GgmlDType) -> Result<()> {
-        // Rows must split into whole quantization blocks; other matrices stay in f32.
-        let quantize = |w: &Tensor| -> Result<Option<QMatMul>> {
-            if w.dim(1)? % dtype.block_size() != 0 {
-                return Ok(None);
-            }
-            let q = QTensor::quantize(&w.to_dtype(DType::F32)?, dtype)?;
-            Ok(Some(QMatMul::from_qtensor(q)?))
-        };
         for layer in &mut self.layers {
             for lin in layer.proj.iter_mut() {
-                lin.q = quantize(&lin.w)?;
+                lin.q = QuantWeight::quantize(&lin.w, dtype)?;
             }
         }
-        self.lm_head_q = quantize(&self.lm_head)?;
+        self.lm_head_q = QuantWeight::quantize(&self.lm_head, dtype)?;
+        Ok(())
+    }
+
+    /// This model without quantized blocks: every path multiplies the f32 weights (the
+    /// reference the quantized decoding is compared with).
+    pub fn dequantized(&self) -> Self {
+        let mut out = self.clone();
+        for layer in &mut out.layers {
+            for lin in layer.proj.iter_mut() {
+                lin.q = None;
+            }
+        }
+        out.lm_head_q = None;
+        out
+    }
+
+    /// Whether the inference paths have quantized blocks (the head's or a projection's).
+    pub fn is_quantized(&self) -> bool {
+        self.lm_head_q.is_some()
+            || self
+                .layers
+                .iter()
+                .any(|l| l.proj.iter().any(|p| p.q.is_some()))
+    }
+
+    /// Takes the GGUF file's own blocks (by HF name, as [`Model::named_tensors`] names the
+    /// weights; the loader has put q/k rows in HF order) for the inference paths of the
+    /// projections and the head. They are what the f32 weights were dequantized from, so the
+    /// products equal the f32 ones up to the order of the additions. Names not in `blocks`, or
+    /// of another shape, stay f32 only.
+    pub(crate) fn attach_quantized(&mut self, blocks: &HashMap<String, QuantWeight>) -> Result<()> {
+        let names = Weights::names();
+        let model = names.pp(MODEL);
+        let fits = |q: &QuantWeight, w: &Tensor| -> Result<bool> { Ok(q.dims() == w.dims2()?) };
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let vb = model.pp(LAYERS).pp(i);
+            for t in LoraTarget::ALL {
+                let lin = &mut layer.proj[t as usize];
+                let name = Layer::proj_weights(&vb, t).name(WEIGHT);
+                if let Some(q) = blocks.get(&name) {
+                    if fits(q, &lin.w)? {
+                        lin.q = Some(q.clone());
+                    }
+                }
+            }
+        }
+        let head = if self.cfg.tie_word_embeddings {
+            model.pp(EMBED_TOKENS).name(WEIGHT)
+        } else {
+            names.pp(LM_HEAD).name(WEIGHT)
+        };
+        if let Some(q) = blocks.get(&head) {
+            if fits(q, &self.lm_head)? {
+                self.lm_head_q = Some(q.clone());
+            }
+        }
         Ok(())
     }
 
