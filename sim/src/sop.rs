@@ -342,7 +342,7 @@ mod tests {
             let r = resolve(&t);
             assert!(REFUNDS.contains(&r.decision.refund.as_str()));
             let expected = match r.refund_rule {
-                Rule::RestockingFee => "partial".into(),
+                Rule::RestockingFee => "partial",
                 Rule::DuplicateChargeRefunded | Rule::FullRefund => "full",
                 _ => "none",
             };
