@@ -159,9 +159,9 @@ impl QuantWeight {
         let sums: Vec<f32> = xs.chunks(BLOCK).map(|c| c.iter().sum()).collect();
         let mut out_t = vec![0f32; self.rows * n];
         let rb = self.row_bytes();
-        // One chunk of output rows per thread: each task costs a wake-up, which is most of a
-        // one-row product's time for the smaller projections.
-        // A product this small (k and v for one row: ~3,500 blocks, ~10 µs) runs where it is.
+        // One chunk of output rows per thread (each task costs a wake-up, most of a one-row
+        // product's time for the smaller projections); a product below `SERIAL_BLOCKS` (k and v
+        // for one row: ~3,500 blocks, ~10 µs) runs on the calling thread.
         let threads = if self.rows * blocks * n < SERIAL_BLOCKS {
             1
         } else {
