@@ -14,7 +14,7 @@ use crate::error::{ModelError, Result};
 use crate::kv_cache::KvCache;
 use crate::lora::{Adapter, AdapterSelection, LoraTarget};
 use crate::ops;
-use crate::quant::QuantWeight;
+use crate::quant::{quantized_product, quantized_rows, QuantWeight};
 
 // The submodule and parameter names of an HF Llama checkpoint. The constructors read weights
 // below these paths and `Model::visit` names them with the same paths, so loading, saving and
@@ -233,30 +233,6 @@ impl Linear {
             _ => Ok(ops::frozen_linear(x, &self.w, self.b.as_ref())?),
         }
     }
-}
-
-/// Input rows up to which the quantized kernel beats the f32 product (decode steps; a
-/// prompt's prefill multiplies hundreds of rows, where gemm's f32 kernels are faster). Measured
-/// with `cargo run --release -p hindsight-model --example linear_layouts`.
-pub(crate) const QUANT_MAX_ROWS: usize = 16;
-
-/// Whether `x` (`[..., in]`) may take the quantized kernel: a CPU tensor that tracks no
-/// gradient (the kernel has no backward) with at most [`QUANT_MAX_ROWS`] rows.
-fn quantized_rows(x: &Tensor) -> bool {
-    let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
-    !x.track_op() && x.device().is_cpu() && rows <= QUANT_MAX_ROWS
-}
-
-/// `x @ q^T` for `x` of shape `[..., in]`, in `x`'s dtype.
-fn quantized_product(q: &QuantWeight, x: &Tensor) -> Result<Tensor> {
-    let dims = x.dims();
-    let inp = dims.last().copied().unwrap_or(1);
-    let y = q.matmul_t(&x.reshape(((), inp))?)?;
-    let mut out = dims.to_vec();
-    if let Some(last) = out.last_mut() {
-        *last = q.dims().0;
-    }
-    Ok(y.reshape(out)?.to_dtype(x.dtype())?)
 }
 
 /// Whether the configuration gives projection `t` a bias.
@@ -649,7 +625,7 @@ impl Model {
     }
 
     /// Adds quantized copies (`dtype`, e.g. `GgmlDType::Q8_0`) of the projection and LM-head
-    /// weights, for the inference paths on few rows ([`QUANT_MAX_ROWS`]: decode steps).
+    /// weights, for the inference paths on few rows ([`crate::quant::QUANT_MAX_ROWS`]: decode steps).
     /// Training keeps the f32 weights and exact gradients. Unlike the GGUF's own blocks
     /// (which `load_gguf` attaches, and which equal the f32 weights), re-quantized weights move
     /// the logits slightly; merge adapters before quantizing. Matrices whose input width is not

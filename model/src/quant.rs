@@ -195,6 +195,32 @@ impl QuantWeight {
     }
 }
 
+// Where the model's inference paths take the blocks.
+
+/// Input rows up to which the quantized kernel beats the f32 product (decode steps; a
+/// prompt's prefill multiplies hundreds of rows, where gemm's f32 kernels are faster). Measured
+/// with `cargo run --release -p hindsight-model --example linear_layouts`.
+pub(crate) const QUANT_MAX_ROWS: usize = 16;
+
+/// Whether `x` (`[..., in]`) may take the quantized kernel: a CPU tensor that tracks no
+/// gradient (the kernel has no backward) with at most [`QUANT_MAX_ROWS`] rows.
+pub(crate) fn quantized_rows(x: &Tensor) -> bool {
+    let rows = x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1);
+    !x.track_op() && x.device().is_cpu() && rows <= QUANT_MAX_ROWS
+}
+
+/// `x @ q^T` for `x` of shape `[..., in]`, in `x`'s dtype.
+pub(crate) fn quantized_product(q: &QuantWeight, x: &Tensor) -> Result<Tensor> {
+    let dims = x.dims();
+    let inp = dims.last().copied().unwrap_or(1);
+    let y = q.matmul_t(&x.reshape(((), inp))?)?;
+    let mut out = dims.to_vec();
+    if let Some(last) = out.last_mut() {
+        *last = q.dims().0;
+    }
+    Ok(y.reshape(out)?.to_dtype(x.dtype())?)
+}
+
 fn half_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
